@@ -1,0 +1,32 @@
+"""hf-blockdiag-cp: block-diagonal causal attention for packed documents, across context-parallel ranks.
+
+``import hf_blockdiag_cp`` registers ``attn_implementation="blockdiag_cp"`` (and its mask function)
+with transformers; see the README for the data flow::
+
+    PackingCollator -> BlockDiagCPContext (host plan, once per step) -> blockdiag_cp attention
+    -> K/V exchange (CP ranks) -> kernel backend (flash / te / torch_varlen / flex / sdpa_doc / sdpa_mask)
+"""
+
+from .attention import ATTN_IMPLEMENTATION, BlockDiagMask, blockdiag_attention, blockdiag_cp_attention, register
+from .config import BACKENDS, KV_EXCHANGES, BlockDiagCPConfig
+from .context import BlockDiagCPContext
+from .planning import PlanError, VarlenPlan, build_varlen_plan
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "ATTN_IMPLEMENTATION",
+    "BACKENDS",
+    "BlockDiagCPConfig",
+    "BlockDiagCPContext",
+    "BlockDiagMask",
+    "KV_EXCHANGES",
+    "PlanError",
+    "VarlenPlan",
+    "blockdiag_attention",
+    "blockdiag_cp_attention",
+    "build_varlen_plan",
+    "register",
+]
+
+register()

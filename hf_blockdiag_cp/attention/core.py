@@ -1,0 +1,160 @@
+"""Run a plan: pack the local rows, call the chosen kernel, unpack (padding rows get zeros).
+
+Nothing here reads tensor values on the host: every decision comes from the host-side plan, so
+an attention layer makes no device synchronisation.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Sequence
+
+import torch
+
+from ..config import BlockDiagCPConfig
+from ..kernels import KernelCall, KernelSpec, choose_backend, get_backend
+from ..planning import PlanError, VarlenPlan, as_doc_ids, build_varlen_plan
+
+__all__ = ["attend_flat", "blockdiag_attention", "check_qkv", "flat_rows", "kernel_spec"]
+
+
+def check_qkv(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> None:
+    """Shape/dtype/device checks on ``query [B,Hq,L,D]``, ``key [B,Hkv,S,D]``, ``value [B,Hkv,S,Dv]``
+    (attribute reads only)."""
+    for name, t in (("query", query), ("key", key), ("value", value)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dim() != 4:
+            raise ValueError(f"{name} must be 4-D [B, H, seq, D], got shape {tuple(t.shape)}")
+        if not t.dtype.is_floating_point:
+            raise TypeError(f"{name} must be floating point, got {t.dtype}")
+    if key.dtype != query.dtype or value.dtype != query.dtype:
+        raise TypeError(f"query/key/value dtypes differ: {query.dtype}, {key.dtype}, {value.dtype}")
+    if key.device != query.device or value.device != query.device:
+        raise ValueError(f"query/key/value devices differ: {query.device}, {key.device}, {value.device}")
+    if key.shape[0] != query.shape[0] or value.shape[0] != query.shape[0]:
+        raise ValueError(f"batch sizes differ: query {query.shape[0]}, key {key.shape[0]}, value {value.shape[0]}")
+    if key.shape[1] != value.shape[1]:
+        raise ValueError(f"key has {key.shape[1]} heads but value has {value.shape[1]}")
+    if key.shape[1] == 0 or query.shape[1] % key.shape[1]:
+        raise ValueError(f"query heads Hq={query.shape[1]} must be a multiple of key/value heads Hkv={key.shape[1]}")
+    if key.shape[3] != query.shape[3]:
+        raise ValueError(f"head dims differ: query D={query.shape[3]}, key D={key.shape[3]}")
+    if key.shape[2] != value.shape[2]:
+        raise ValueError(f"key length {key.shape[2]} != value length {value.shape[2]}")
+
+
+def kernel_spec(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *, dropout_p: float,
+                window: int | None, softcap: float | None) -> KernelSpec:
+    """The host-side facts backend availability depends on (``[B, H, seq, D]`` inputs)."""
+    return KernelSpec(
+        device_type=query.device.type,
+        dtype=query.dtype,
+        head_dim=query.shape[-1],
+        value_dim=value.shape[-1],
+        num_q_heads=query.shape[1],
+        num_kv_heads=key.shape[1],
+        dropout_p=float(dropout_p),
+        window=window,
+        softcap=softcap,
+        requires_grad=torch.is_grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad),
+    )
+
+
+def attend_flat(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: VarlenPlan, backend: str, *,
+                scale: float, dropout_p: float = 0.0, window: int | None = None, softcap: float | None = None,
+                config: BlockDiagCPConfig | None = None) -> torch.Tensor:
+    """Block-diagonal attention on flat rows.
+
+    Args:
+        q: ``[B*L, Hq, D]`` local query rows.
+        k, v: ``[B*S_kv, Hkv, D]`` / ``[B*S_kv, Hkv, Dv]`` K/V buffer rows.
+        plan: a plan on ``q.device`` for exactly these row counts.
+        backend: a resolved backend name (not ``"auto"``).
+
+    Returns:
+        ``[B*L, Hq, Dv]``; rows of no segment (padding) are zeros.
+    """
+    config = config or BlockDiagCPConfig()
+    if plan.device != q.device:
+        raise PlanError(f"the plan lives on {plan.device} but the queries on {q.device}; move it once per step")
+    if q.shape[0] != plan.batch_size * plan.q_rows or k.shape[0] != plan.batch_size * plan.kv_rows:
+        raise PlanError(f"plan is for {plan.batch_size}x{plan.q_rows} query and {plan.batch_size}x{plan.kv_rows} "
+                        f"K/V rows, got {q.shape[0]} and {k.shape[0]}")
+    rows, num_q_heads, dim_v = q.shape[0], q.shape[1], v.shape[2]
+    total_q = plan.total_q
+    if total_q == 0:
+        # All rows are padding: zeros that stay attached to q, k and v so every rank's backward
+        # reaches the same collectives and gives finite (zero) gradients.
+        anchor = (q.sum() + k.sum() + v.sum()) * 0
+        return q.new_zeros(rows, num_q_heads, dim_v) + anchor
+    q_packed = q[:total_q] if plan.q_index is None else q.index_select(0, plan.q_index)
+    if plan.k_index is None:
+        k_packed = k[plan.k_offset:plan.k_offset + plan.total_k]
+        v_packed = v[plan.k_offset:plan.k_offset + plan.total_k]
+    else:
+        k_packed = k.index_select(0, plan.k_index)
+        v_packed = v.index_select(0, plan.k_index)
+    call = KernelCall(plan=plan, scale=scale, dropout_p=dropout_p, window=window, softcap=softcap,
+                      deterministic=config.deterministic, flash_prefix_guard=config.flash_prefix_guard)
+    out = get_backend(backend).attention(q_packed, k_packed, v_packed, call)
+    if total_q == rows:
+        return out if plan.q_index is None else out.new_zeros(rows, num_q_heads, dim_v).index_copy(0, plan.q_index, out)
+    if plan.q_index is None:
+        return torch.cat([out, out.new_zeros(rows - total_q, num_q_heads, dim_v)], dim=0)
+    return out.new_zeros(rows, num_q_heads, dim_v).index_copy(0, plan.q_index, out)
+
+
+def flat_rows(x: torch.Tensor) -> torch.Tensor:
+    """``[B, H, seq, D]`` (transformers' transposed view) -> ``[B*seq, H, D]`` (a view when possible)."""
+    return x.transpose(1, 2).reshape(x.shape[0] * x.shape[2], x.shape[1], x.shape[3])
+
+
+def blockdiag_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                        doc_ids: torch.Tensor | Sequence[int], row_offset: int = 0, *, scale: float | None = None,
+                        sliding_window: int | None = None, dropout_p: float = 0.0, backend: str = "auto",
+                        config: BlockDiagCPConfig | None = None) -> torch.Tensor:
+    """Per-document causal attention of local query rows over a packed row.
+
+    Args:
+        query: ``[B, Hq, L, D]``, the query rows at global positions ``[row_offset, row_offset + L)``.
+        key, value: ``[B, Hkv, S, D]`` / ``[B, Hkv, S, Dv]`` covering global positions ``[0, S)``
+            (``Hkv`` divides ``Hq``; K/V heads are not repeated).
+        doc_ids: ``[S]`` or ``[B, S]`` integer document ids, 0 = padding; a document is a maximal
+            run of equal non-zero ids.
+        row_offset: global position of the first query row.
+        scale: softmax scale (default ``D ** -0.5``).
+        sliding_window: if given, a query sees only the last ``sliding_window`` keys (itself included).
+        dropout_p: attention dropout probability.
+        backend: a name from :data:`~hf_blockdiag_cp.config.BACKENDS`.
+        config: further options (``deterministic``, ``validate``, ...).
+
+    Returns:
+        ``[B, Hq, L, Dv]``: a query attends to a key iff same document and key position <= query
+        position (and within the window); padding query rows are zeros.
+
+    This convenience builds the plan on every call (reading ``doc_ids`` on the host); training code
+    builds it once per step through the collator's context instead.
+    """
+    check_qkv(query, key, value)
+    if sliding_window is not None and (not isinstance(sliding_window, int) or sliding_window < 1):
+        raise ValueError(f"sliding_window={sliding_window!r} must be a positive int or None")
+    if not 0.0 <= dropout_p < 1.0:
+        raise ValueError(f"dropout_p={dropout_p!r} must be in [0, 1)")
+    config = config or BlockDiagCPConfig()
+    batch, _, local_len, head_dim = query.shape
+    full_len = key.shape[2]
+    if row_offset < 0 or row_offset + local_len > full_len:
+        raise ValueError(f"row_offset={row_offset} + L={local_len} exceeds the key length S={full_len}")
+    ids = as_doc_ids(doc_ids, batch_size=batch, length=full_len)
+    plan = build_varlen_plan(ids, local_len=local_len, row_offset=row_offset, validate=config.validate)
+    plan = plan.to(query.device)
+    spec = kernel_spec(query, key, value, dropout_p=dropout_p, window=sliding_window, softcap=None)
+    name, note = choose_backend(backend, spec)
+    if note:
+        warnings.warn(note, stacklevel=2)
+    out = attend_flat(flat_rows(query), flat_rows(key), flat_rows(value), plan, name,
+                      scale=head_dim ** -0.5 if scale is None else scale, dropout_p=dropout_p,
+                      window=sliding_window, config=config)
+    return out.view(batch, local_len, query.shape[1], value.shape[3]).transpose(1, 2)
+

@@ -1,0 +1,102 @@
+"""Explicit configuration that travels with every per-step context.
+
+Every field has a documented environment variable that overrides its *default*; values passed
+explicitly to :class:`BlockDiagCPConfig` always win. Nothing here is global state: a config is an
+immutable value built once and carried by :class:`~hf_blockdiag_cp.context.BlockDiagCPContext`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass, field
+
+__all__ = ["BACKENDS", "KV_EXCHANGES", "BlockDiagCPConfig", "ENV_VARS"]
+
+#: Attention kernel backends, in no particular order ("auto" picks per device and dtype).
+BACKENDS: tuple[str, ...] = ("auto", "flash", "te", "torch_varlen", "flex", "sdpa_doc", "sdpa_mask")
+#: K/V exchange strategies across context-parallel ranks.
+KV_EXCHANGES: tuple[str, ...] = ("auto", "allgather", "halo", "a2a")
+
+#: Environment variable overriding the default of each field.
+ENV_VARS: dict[str, str] = {
+    "backend": "HF_BLOCKDIAG_CP_BACKEND",
+    "kv_exchange": "HF_BLOCKDIAG_CP_KV_EXCHANGE",
+    "deterministic": "HF_BLOCKDIAG_CP_DETERMINISTIC",
+    "validate": "HF_BLOCKDIAG_CP_VALIDATE",
+    "flash_prefix_guard": "HF_BLOCKDIAG_CP_FLASH_PREFIX_GUARD",
+    "collective_timeout_s": "HF_BLOCKDIAG_CP_COLLECTIVE_TIMEOUT_S",
+}
+
+_TRUE = {"1", "true", "yes", "on"}
+_FALSE = {"0", "false", "no", "off", ""}
+
+
+def _env_str(name: str, default: str) -> str:
+    return os.environ.get(ENV_VARS[name], default).strip().lower()
+
+
+def _env_bool(name: str, default: bool) -> bool:
+    raw = os.environ.get(ENV_VARS[name])
+    if raw is None:
+        return default
+    value = raw.strip().lower()
+    if value in _TRUE:
+        return True
+    if value in _FALSE:
+        return False
+    raise ValueError(f"{ENV_VARS[name]}={raw!r} is not a boolean (use 1/0, true/false, yes/no, on/off)")
+
+
+def _env_float(name: str, default: float) -> float:
+    raw = os.environ.get(ENV_VARS[name])
+    if raw is None:
+        return default
+    try:
+        return float(raw)
+    except ValueError as err:
+        raise ValueError(f"{ENV_VARS[name]}={raw!r} is not a number") from err
+
+
+@dataclass(frozen=True)
+class BlockDiagCPConfig:
+    """Configuration of block-diagonal (context-parallel) attention.
+
+    Attributes:
+        backend: attention kernel, one of :data:`BACKENDS`. ``"auto"`` picks ``flash`` > ``te`` >
+            ``torch_varlen`` > ``sdpa_doc`` on CUDA and ``sdpa_doc`` on CPU. An explicitly chosen
+            backend that cannot run (not installed, wrong device or dtype) falls back to the
+            ``"auto"`` choice with a warning, on every rank together. Env: ``HF_BLOCKDIAG_CP_BACKEND``.
+        kv_exchange: how K/V reach the ranks that need them, one of :data:`KV_EXCHANGES`.
+            Env: ``HF_BLOCKDIAG_CP_KV_EXCHANGE``.
+        deterministic: ask kernels for deterministic backward passes (flash ``deterministic=True``).
+            Env: ``HF_BLOCKDIAG_CP_DETERMINISTIC``.
+        validate: check every plan on the host before a kernel sees it (cheap, once per step).
+            Env: ``HF_BLOCKDIAG_CP_VALIDATE``.
+        flash_prefix_guard: run segments whose keys start before their queries (the document
+            straddling a shard boundary) through fixed-length flash, the rest in one varlen call.
+            Env: ``HF_BLOCKDIAG_CP_FLASH_PREFIX_GUARD``.
+        collective_timeout_s: bound on the per-step agreement collective, so that a rank whose
+            peer failed raises instead of hanging. Env: ``HF_BLOCKDIAG_CP_COLLECTIVE_TIMEOUT_S``.
+    """
+
+    backend: str = field(default_factory=lambda: _env_str("backend", "auto"))
+    kv_exchange: str = field(default_factory=lambda: _env_str("kv_exchange", "auto"))
+    deterministic: bool = field(default_factory=lambda: _env_bool("deterministic", False))
+    validate: bool = field(default_factory=lambda: _env_bool("validate", True))
+    flash_prefix_guard: bool = field(default_factory=lambda: _env_bool("flash_prefix_guard", True))
+    collective_timeout_s: float = field(default_factory=lambda: _env_float("collective_timeout_s", 600.0))
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.backend, str) or self.backend.lower() not in BACKENDS:
+            raise ValueError(f"backend={self.backend!r} is not one of {', '.join(BACKENDS)}")
+        if not isinstance(self.kv_exchange, str) or self.kv_exchange.lower() not in KV_EXCHANGES:
+            raise ValueError(f"kv_exchange={self.kv_exchange!r} is not one of {', '.join(KV_EXCHANGES)}")
+        object.__setattr__(self, "backend", self.backend.lower())
+        object.__setattr__(self, "kv_exchange", self.kv_exchange.lower())
+        if not self.collective_timeout_s > 0:
+            raise ValueError(f"collective_timeout_s={self.collective_timeout_s!r} must be > 0")
+
+    def replace(self, **changes: object) -> BlockDiagCPConfig:
+        """Return a copy with ``changes`` applied (validated like the constructor)."""
+        return dataclasses.replace(self, **changes)

@@ -1,0 +1,114 @@
+"""The per-step context: everything the attention layers of one step need, planned once on the host.
+
+The collator builds one :class:`BlockDiagCPContext` per rank and step; ``model(**batch)`` carries it
+as the ``cp_context`` keyword to every attention layer (also through gradient-checkpoint recompute
+and the HF ``Trainer``). Layers only read it: its device copy and the per-step rank agreement are
+cached inside it (its ``state``), so the first layer pays for them and every later layer reuses them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from .config import BlockDiagCPConfig
+from .planning import PlanError, VarlenPlan, as_doc_ids, build_varlen_plan
+
+__all__ = ["BlockDiagCPContext"]
+
+
+@dataclass(frozen=True, eq=False)
+class BlockDiagCPContext:
+    """Per-step block-diagonal CP metadata for one rank.
+
+    Attributes:
+        doc_ids: ``[B, S]`` int32 CPU document ids of the full (all-rank) rows, 0 = padding.
+        cp_rank / cp_size: this rank's index in the CP group and the group size.
+        group: the CP process group (``None`` when ``cp_size == 1``).
+        row_offset: global position of local row 0 (``cp_rank * local_len``).
+        local_len: ``L = S / cp_size`` local rows per batch row.
+        local_index: ``[L]`` int64 global position of every local row.
+        plan: this rank's :class:`~hf_blockdiag_cp.planning.VarlenPlan` (CPU; see :meth:`to`).
+        exchange: the K/V exchange plan for ``cp_size > 1`` (``None`` on one rank).
+        config: the :class:`~hf_blockdiag_cp.config.BlockDiagCPConfig` of this step.
+        state: per-step cache owned by this context (device copies, rank agreement); not data.
+    """
+
+    doc_ids: torch.Tensor
+    cp_rank: int
+    cp_size: int
+    group: Any
+    row_offset: int
+    local_len: int
+    local_index: torch.Tensor
+    plan: VarlenPlan
+    exchange: Any = None
+    config: BlockDiagCPConfig = field(default_factory=BlockDiagCPConfig)
+    state: dict[Any, Any] = field(default_factory=dict, repr=False, compare=False)
+
+    @classmethod
+    def build(cls, doc_ids: torch.Tensor, *, cp_rank: int = 0, cp_size: int = 1, group: Any = None,
+              config: BlockDiagCPConfig | None = None) -> BlockDiagCPContext:
+        """Plan one rank's step for contiguous sharding: rank ``r`` owns rows ``[r*L, (r+1)*L)``.
+
+        Args:
+            doc_ids: ``[S]`` or ``[B, S]`` full-row document ids (the same on every CP rank).
+            cp_rank, cp_size: position in the CP group; ``S`` must be divisible by ``cp_size``.
+            group: the CP process group (required when ``cp_size > 1`` for the exchange).
+            config: defaults to ``BlockDiagCPConfig()`` (environment-overridable).
+        """
+        config = config or BlockDiagCPConfig()
+        ids = as_doc_ids(doc_ids)
+        if not isinstance(cp_size, int) or cp_size < 1:
+            raise ValueError(f"cp_size={cp_size!r} must be a positive int")
+        if not isinstance(cp_rank, int) or not 0 <= cp_rank < cp_size:
+            raise ValueError(f"cp_rank={cp_rank!r} must be in [0, cp_size={cp_size})")
+        full_len = ids.shape[1]
+        if full_len % cp_size:
+            raise ValueError(f"the row length S={full_len} is not divisible by cp_size={cp_size}")
+        local_len = full_len // cp_size
+        row_offset = cp_rank * local_len
+        exchange = None
+        kv_ranges = None if cp_size == 1 else ((row_offset, row_offset + local_len),)
+        if cp_size > 1:
+            from .distributed.plan import plan_exchange  # the exchange decides the K/V buffer layout
+
+            exchange = plan_exchange(ids, cp_size=cp_size, config=config)
+            kv_ranges = exchange.kv_ranges[cp_rank]
+        plan = build_varlen_plan(ids, local_len=local_len, row_offset=row_offset, kv_ranges=kv_ranges,
+                                 validate=config.validate)
+        return cls(doc_ids=ids.to(torch.int32), cp_rank=cp_rank, cp_size=cp_size, group=group,
+                   row_offset=row_offset, local_len=local_len,
+                   local_index=torch.arange(row_offset, row_offset + local_len, dtype=torch.int64), plan=plan,
+                   exchange=exchange, config=config)
+
+    @property
+    def batch_size(self) -> int:
+        return self.doc_ids.shape[0]
+
+    @property
+    def full_len(self) -> int:
+        return self.doc_ids.shape[1]
+
+    def to(self, device: torch.device | str) -> BlockDiagCPContext:
+        """This context with its few small tensors on ``device``; the copy is made once and cached."""
+        device = torch.device(device)
+        if device.type == "cuda" and device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        if self.plan.device == device:
+            return self
+        key = ("to", device)
+        moved = self.state.get(key)
+        if moved is None:
+            moved = dataclasses.replace(self, plan=self.plan.to(device), state=self.state)
+            self.state[key] = moved
+        return moved
+
+    def check_local(self, batch_size: int, local_len: int) -> None:
+        """Raise if an attention call's local shapes disagree with this context."""
+        if batch_size != self.batch_size or local_len != self.local_len:
+            raise PlanError(f"cp_context plans [B={self.batch_size}, L={self.local_len}] local rows but the attention "
+                            f"layer got [B={batch_size}, L={local_len}]; was the batch built by this context's collator?")

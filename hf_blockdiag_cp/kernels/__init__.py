@@ -1,0 +1,88 @@
+"""Attention kernel backends behind one contract (see :mod:`.base`) and their selection.
+
+Adding a backend is one new module (``NAME``, ``unavailable_reason``, ``attention``) and one line
+in :data:`_BACKENDS`.
+"""
+
+from __future__ import annotations
+
+from types import ModuleType
+
+from ..config import BACKENDS
+from . import flash, flex, sdpa_doc, sdpa_mask, te, torch_varlen
+from .base import BackendUnavailable, KernelCall, KernelSpec
+
+__all__ = [
+    "AUTO_ORDER",
+    "BackendUnavailable",
+    "KernelCall",
+    "KernelSpec",
+    "available_backends",
+    "choose_backend",
+    "get_backend",
+    "unavailable_reason",
+]
+
+_BACKENDS: dict[str, ModuleType] = {m.NAME: m for m in (flash, te, torch_varlen, flex, sdpa_doc, sdpa_mask)}
+assert set(_BACKENDS) == set(BACKENDS) - {"auto"}
+
+#: Preference of ``"auto"`` per device type (flex and sdpa_mask are never picked automatically).
+AUTO_ORDER: dict[str, tuple[str, ...]] = {
+    "cuda": ("flash", "te", "torch_varlen", "sdpa_doc"),
+    "default": ("sdpa_doc",),
+}
+#: Tried after the preferred backends when none of them can run (e.g. softcap on CPU inference).
+_LAST_RESORT: tuple[str, ...] = ("flex", "sdpa_mask")
+
+
+def get_backend(name: str) -> ModuleType:
+    try:
+        return _BACKENDS[name]
+    except KeyError:
+        raise ValueError(f"backend={name!r} is not one of {', '.join(BACKENDS)}") from None
+
+
+def unavailable_reason(name: str, spec: KernelSpec) -> str | None:
+    """Why backend ``name`` cannot run ``spec`` (cheap: imports, device, dtype, features), or ``None``."""
+    return get_backend(name).unavailable_reason(spec)
+
+
+def available_backends(spec: KernelSpec) -> frozenset[str]:
+    """Every backend that can run ``spec`` on this process."""
+    return frozenset(name for name in _BACKENDS if unavailable_reason(name, spec) is None)
+
+
+def choose_backend(requested: str, spec: KernelSpec, available: frozenset[str] | None = None) -> tuple[str, str | None]:
+    """Pick the backend for ``spec``.
+
+    Args:
+        requested: a name from :data:`~hf_blockdiag_cp.config.BACKENDS`.
+        spec: what the call needs.
+        available: backends every participating rank can run (the result of the rank agreement);
+            defaults to this process's :func:`available_backends`. The choice is a pure function of
+            ``(requested, spec.device_type, available)``, so ranks that agree on ``available`` agree
+            on the backend.
+
+    Returns:
+        ``(name, note)`` where ``note`` explains a fallback from an explicitly requested backend.
+
+    Raises:
+        ValueError: unknown ``requested``.
+        BackendUnavailable: no backend can compute this call exactly.
+    """
+    if requested not in BACKENDS:
+        raise ValueError(f"backend={requested!r} is not one of {', '.join(BACKENDS)}")
+    if available is None:
+        available = available_backends(spec)
+    note = None
+    if requested != "auto":
+        if requested in available:
+            return requested, None
+        reason = unavailable_reason(requested, spec) or "not available on every rank"
+        note = f"blockdiag_cp backend {requested!r} cannot run this call ({reason}); falling back"
+    order = AUTO_ORDER.get(spec.device_type, AUTO_ORDER["default"]) + _LAST_RESORT
+    for name in order:
+        if name in available:
+            return name, (f"{note} to {name!r}" if note else None)
+    reasons = "; ".join(f"{n}: {unavailable_reason(n, spec) or 'unavailable on another rank'}" for n in _BACKENDS)
+    raise BackendUnavailable(f"no blockdiag_cp backend can compute this attention exactly ({reasons})")

@@ -1,0 +1,94 @@
+"""The one contract every attention backend implements.
+
+A backend module exposes ``NAME``, ``unavailable_reason(spec) -> str | None`` (cheap: imports,
+device, dtype, features; it never launches a kernel) and ``attention(q, k, v, call) -> out``:
+
+- ``q``  ``[Tq, Hq, D]``: packed query rows of every segment, in plan order;
+- ``k``, ``v`` ``[Tk, Hkv, D]`` / ``[Tk, Hkv, Dv]``: packed key/value rows (``Hkv`` divides ``Hq``;
+  K/V heads are never repeated by the caller);
+- ``call.plan``: the device-resident :class:`~hf_blockdiag_cp.planning.VarlenPlan` (int32
+  ``cu_seqlens_q/k``, exact ``max_seqlen_q/k``, host-side segment lengths for scheduling);
+- semantics: per segment, bottom-right causal attention (query ``i`` of a segment with ``q_len``
+  queries and ``k_len`` keys sees keys ``j <= k_len - q_len + i``), optionally limited to a
+  sliding window of ``window`` keys (``j > k_len - q_len + i - window``, transformers' convention);
+- returns ``[Tq, Hq, Dv]``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..planning import VarlenPlan
+
+__all__ = ["KernelCall", "KernelSpec", "BackendUnavailable"]
+
+
+class BackendUnavailable(NotImplementedError):
+    """The requested backend cannot compute this call exactly (raised instead of computing something else)."""
+
+
+@dataclass(frozen=True)
+class KernelSpec:
+    """What a backend must support for one attention call (all host-side facts, no tensors)."""
+
+    device_type: str
+    dtype: torch.dtype
+    head_dim: int
+    value_dim: int
+    num_q_heads: int
+    num_kv_heads: int
+    dropout_p: float = 0.0
+    window: int | None = None
+    softcap: float | None = None
+    requires_grad: bool = False
+
+
+@dataclass(frozen=True, eq=False)
+class KernelCall:
+    """Everything a backend needs besides the packed tensors."""
+
+    plan: VarlenPlan
+    scale: float
+    dropout_p: float = 0.0
+    window: int | None = None
+    softcap: float | None = None
+    deterministic: bool = False
+    flash_prefix_guard: bool = True
+
+    @property
+    def causal_window(self) -> tuple[int, int]:
+        """``(left, right)`` window in the flash convention: ``(-1, 0)`` causal, ``(w - 1, 0)`` windowed."""
+        return (-1, 0) if self.window is None else (self.window - 1, 0)
+
+
+def token_coordinates(plan: VarlenPlan) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per packed row: ``(q_seg [Tq], q_pos [Tq], k_seg [Tk], k_pos [Tk])`` on the plan's device.
+
+    ``q_pos`` is a query's position inside its segment's keys (``k_len - q_len + i``), so a query
+    sees a key iff same segment, ``k_pos <= q_pos`` and, with a window, ``k_pos > q_pos - window``.
+    Built once on the host and cached on the plan (dense-mask style backends only).
+    """
+    cached = plan.cache.get("token_coordinates")
+    if cached is None:
+        q_lens = torch.tensor([s.q_len for s in plan.segments], dtype=torch.int64)
+        k_lens = torch.tensor([s.k_len for s in plan.segments], dtype=torch.int64)
+        seg = torch.arange(len(plan.segments))
+        q_seg = torch.repeat_interleave(seg, q_lens)
+        k_seg = torch.repeat_interleave(seg, k_lens)
+        q_first = torch.tensor(plan.host_cu_q[:-1], dtype=torch.int64)
+        k_first = torch.tensor(plan.host_cu_k[:-1], dtype=torch.int64)
+        q_pos = torch.arange(plan.total_q) - q_first[q_seg] + (k_lens - q_lens)[q_seg]
+        k_pos = torch.arange(plan.total_k) - k_first[k_seg]
+        cached = plan.cache["token_coordinates"] = tuple(t.to(plan.device) for t in (q_seg, q_pos, k_seg, k_pos))
+    return cached
+
+
+def visible(q_seg: torch.Tensor, q_pos: torch.Tensor, k_seg: torch.Tensor, k_pos: torch.Tensor,
+            window: int | None) -> torch.Tensor:
+    """Boolean visibility for broadcastable query/key coordinates (see :func:`token_coordinates`)."""
+    allowed = (q_seg == k_seg) & (k_pos <= q_pos)
+    if window is not None:
+        allowed = allowed & (k_pos > q_pos - window)
+    return allowed

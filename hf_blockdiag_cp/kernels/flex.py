@@ -1,0 +1,72 @@
+"""``flex``: ``torch.nn.attention.flex_attention`` with a document ``BlockMask`` over the packed rows.
+
+The block mask is built once per plan, window and device (cached on the plan). Compiled on CUDA;
+eager elsewhere. On CPU torch 2.13 has no flex backward, so the backend reports itself
+unavailable for calls that need gradients there and ``"auto"`` never picks it. Supports logit
+softcapping through a ``score_mod``.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from ._imports import optional_import
+from .base import KernelCall, KernelSpec, token_coordinates, visible
+
+NAME = "flex"
+MODULE = "torch.nn.attention.flex_attention"
+
+
+def unavailable_reason(spec: KernelSpec) -> str | None:
+    module, reason = optional_import(MODULE)
+    if module is None:
+        return reason
+    if spec.device_type not in ("cuda", "cpu"):
+        return f"flex_attention is not supported on {spec.device_type}"
+    if spec.device_type == "cpu" and spec.requires_grad:
+        return "flex_attention has no CPU backward in this torch"
+    if spec.dropout_p > 0:
+        return "flex_attention has no dropout"
+    if not spec.dtype.is_floating_point:
+        return f"flex_attention needs a floating dtype, got {spec.dtype}"
+    return None
+
+
+@functools.lru_cache(maxsize=2)
+def _flex_fn(device_type: str):
+    flex, _ = optional_import(MODULE)
+    # Compiled with static shapes on CUDA (a dynamic recompile per new length is what fails on CPU).
+    return torch.compile(flex.flex_attention, dynamic=False) if device_type == "cuda" else flex.flex_attention
+
+
+def _block_mask(call: KernelCall):
+    plan = call.plan
+    key = (NAME, call.window)
+    mask = plan.cache.get(key)
+    if mask is None:
+        flex, _ = optional_import(MODULE)
+        q_seg, q_pos, k_seg, k_pos = token_coordinates(plan)
+        window = call.window
+
+        def mask_mod(b, h, q_idx, kv_idx):
+            return visible(q_seg[q_idx], q_pos[q_idx], k_seg[kv_idx], k_pos[kv_idx], window)
+
+        mask = plan.cache[key] = flex.create_block_mask(mask_mod, None, None, plan.total_q, plan.total_k,
+                                                        device=plan.device)
+    return mask
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, call: KernelCall) -> torch.Tensor:
+    score_mod = None
+    if call.softcap is not None:
+        cap = float(call.softcap)
+
+        def score_mod(score, b, h, q_idx, kv_idx):
+            return cap * torch.tanh(score / cap)
+
+    out = _flex_fn(q.device.type)(q.transpose(0, 1).unsqueeze(0), k.transpose(0, 1).unsqueeze(0),
+                                  v.transpose(0, 1).unsqueeze(0), score_mod=score_mod, block_mask=_block_mask(call),
+                                  scale=call.scale, enable_gqa=q.shape[1] != k.shape[1])
+    return out[0].transpose(0, 1)

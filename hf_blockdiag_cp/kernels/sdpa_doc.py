@@ -1,0 +1,250 @@
+"""``sdpa_doc``: exact per-document attention through ``scaled_dot_product_attention``.
+
+The default on CPU and the universal fallback (any device, any float dtype, forward and backward).
+A host-side schedule, built once per step and window and owned by the plan, turns the segments
+into few SDPA calls:
+
+- *square* segments (as many keys as queries) of similar length are right-padded to a common
+  length and batched into one ``is_causal`` call; padded rows point at real rows of the same
+  segment, are never seen by real queries (they lie after them) and their outputs are dropped, so
+  they contribute exact zeros to every gradient;
+- a *prefix* segment (a document straddling the shard boundary: keys start before the queries) is
+  computed on CPU as two flash calls, the prefix without mask and the diagonal block causally,
+  merged by their log-sum-exp (backward uses the merged output and log-sum-exp, the standard exact
+  split); elsewhere, or with dropout, it takes the masked path;
+- segments a sliding window cuts are computed in query chunks with a small boolean mask over the
+  chunk's key span, so no ``O(L * S)`` tensor ever exists.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from ..planning import VarlenPlan
+from .base import KernelCall, KernelSpec
+
+NAME = "sdpa_doc"
+
+# Batching tolerance: a group of square segments padded to its longest member may cost at most
+# this much more than the members' own work, plus a per-segment allowance that stands for the
+# fixed cost of one more SDPA call (~a 48-token document).
+_PAD_TOLERANCE = 0.15
+_CALL_EQUIVALENT = 48 * 48
+# Mask elements per chunk on the masked path (4 Mi booleans = 4 MiB).
+_MASK_BUDGET = 1 << 22
+_MIN_CHUNK = 64
+
+_cpu_flash = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+_cpu_flash_bwd = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu_backward", None)
+
+
+def unavailable_reason(spec: KernelSpec) -> str | None:
+    if not spec.dtype.is_floating_point:
+        return f"sdpa_doc needs a floating dtype, got {spec.dtype}"
+    if spec.softcap is not None:
+        return "sdpa_doc (scaled_dot_product_attention) has no logit softcapping"
+    return None
+
+
+@dataclass(frozen=True, eq=False)
+class _Batch:
+    """Square segments padded to ``length`` (one SDPA call); a single segment is sliced, not gathered."""
+
+    segments: tuple[int, ...]
+    length: int
+    q_index: torch.Tensor | None  # [n * length] packed query rows, None for a single segment
+    k_index: torch.Tensor | None
+
+
+@dataclass(frozen=True)
+class _Prefix:
+    segment: int
+
+
+@dataclass(frozen=True)
+class _Masked:
+    segment: int
+    chunk: int
+
+
+@dataclass(frozen=True, eq=False)
+class _Schedule:
+    steps: tuple[_Batch | _Prefix | _Masked, ...]
+    out_index: torch.Tensor | None  # [Tq] rows of cat(step outputs) in packed order, None if in order
+
+
+def _group_square(square: list[tuple[int, int]]) -> list[list[tuple[int, int]]]:
+    """Greedy grouping of ``(segment, length)`` pairs, longest first, bounded padding waste."""
+    square = sorted(square, key=lambda x: -x[1])
+    groups: list[list[tuple[int, int]]] = []
+    i = 0
+    while i < len(square):
+        group = [square[i]]
+        longest = square[i][1]
+        work = longest * longest
+        j = i + 1
+        while j < len(square):
+            n = square[j][1]
+            members = len(group) + 1
+            if longest * longest * members > (1 + _PAD_TOLERANCE) * (work + n * n) + _CALL_EQUIVALENT * (members - 1):
+                break
+            group.append(square[j])
+            work += n * n
+            j += 1
+        groups.append(group)
+        i = j
+    return groups
+
+
+def _build_schedule(plan: VarlenPlan, window: int | None, device: torch.device) -> _Schedule:
+    cu_q, cu_k = plan.host_cu_q, plan.host_cu_k
+    square, steps = [], []
+    for i, s in enumerate(plan.segments):
+        if window is not None and s.k_len > window:
+            chunk = max(_MIN_CHUNK, min(s.q_len, _MASK_BUDGET // max(1, min(s.k_len, window + _MIN_CHUNK))))
+            steps.append(_Masked(i, chunk))
+        elif s.k_len > s.q_len:
+            steps.append(_Prefix(i))
+        else:
+            square.append((i, s.q_len))
+    for group in _group_square(square):
+        ids = tuple(i for i, _ in group)
+        length = group[0][1]
+        if len(group) == 1:
+            steps.append(_Batch(ids, length, None, None))
+            continue
+        slot = torch.arange(length)
+        q_rows = torch.cat([cu_q[i] + torch.clamp(slot, max=n - 1) for i, n in group])
+        k_rows = torch.cat([cu_k[i] + torch.clamp(slot, max=n - 1) for i, n in group])
+        steps.append(_Batch(ids, length, q_rows.to(device), k_rows.to(device)))
+    steps.sort(key=lambda st: st.segments[0] if isinstance(st, _Batch) else st.segment)
+    # Where each segment's output rows land in cat(step outputs).
+    seg_rows: dict[int, int] = {}
+    base = 0
+    for st in steps:
+        if isinstance(st, _Batch):
+            for j, i in enumerate(st.segments):
+                seg_rows[i] = base + j * st.length
+            base += st.length * len(st.segments)
+        else:
+            seg_rows[st.segment] = base
+            base += plan.segments[st.segment].q_len
+    starts = [seg_rows[i] for i in range(plan.num_segments)]
+    in_order = base == cu_q[-1] and all(starts[i] == cu_q[i] for i in range(plan.num_segments))
+    out_index = None
+    if not in_order:
+        lens = [s.q_len for s in plan.segments]
+        out_index = torch.repeat_interleave(torch.tensor(starts) - torch.tensor(cu_q[:-1]), torch.tensor(lens))
+        out_index = (out_index + torch.arange(cu_q[-1])).to(device)
+    return _Schedule(tuple(steps), out_index)
+
+
+def schedule(plan: VarlenPlan, window: int | None) -> _Schedule:
+    """The plan's sdpa_doc schedule for ``window`` (built once, cached on the plan)."""
+    key = (NAME, window)
+    sched = plan.cache.get(key)
+    if sched is None:
+        sched = plan.cache[key] = _build_schedule(plan, window, plan.device)
+    return sched
+
+
+def _heads_first(x: torch.Tensor) -> torch.Tensor:
+    """``[n, H, D]`` packed rows -> ``[1, H, n, D]`` (a view)."""
+    return x.transpose(0, 1).unsqueeze(0)
+
+
+class _PrefixMerge(torch.autograd.Function):
+    """Bottom-right causal attention of ``q [1,Hq,n,D]`` over ``k, v [1,Hkv,p+n,D]`` on CPU, as a
+    mask-free prefix call plus a causal diagonal call merged by log-sum-exp."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, prefix: int, scale: float):  # type: ignore[override]
+        o1, l1 = _cpu_flash(q, k[:, :, :prefix], v[:, :, :prefix], 0.0, False, scale=scale)
+        o2, l2 = _cpu_flash(q, k[:, :, prefix:], v[:, :, prefix:], 0.0, True, scale=scale)
+        lse = torch.logaddexp(l1, l2)
+        out = (o1.float() * torch.exp(l1 - lse).unsqueeze(-1) + o2.float() * torch.exp(l2 - lse).unsqueeze(-1))
+        out = out.to(q.dtype)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.prefix, ctx.scale = prefix, scale
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):  # type: ignore[override]
+        q, k, v, out, lse = ctx.saved_tensors
+        p, scale = ctx.prefix, ctx.scale
+        grad_out = grad_out.contiguous()
+        dq1, dk1, dv1 = _cpu_flash_bwd(grad_out, q, k[:, :, :p], v[:, :, :p], out, lse, 0.0, False, scale=scale)
+        dq2, dk2, dv2 = _cpu_flash_bwd(grad_out, q, k[:, :, p:], v[:, :, p:], out, lse, 0.0, True, scale=scale)
+        return dq1 + dq2, torch.cat([dk1, dk2], dim=2), torch.cat([dv1, dv2], dim=2), None, None
+
+
+def _masked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int | None, chunk: int,
+            call: KernelCall, gqa: bool) -> torch.Tensor:
+    """Chunked masked SDPA for one segment; ``q [1,Hq,n,D]``, ``k, v [1,Hkv,m,D]`` -> ``[1,Hq,n,Dv]``."""
+    n, m = q.shape[2], k.shape[2]
+    prefix = m - n
+    outs = []
+    for a in range(0, n, chunk):
+        b = min(n, a + chunk)
+        lo = 0 if window is None else max(0, prefix + a - window + 1)
+        hi = prefix + b
+        q_pos = torch.arange(prefix + a, prefix + b, device=q.device).unsqueeze(1)
+        k_pos = torch.arange(lo, hi, device=q.device).unsqueeze(0)
+        mask = k_pos <= q_pos
+        if window is not None:
+            mask &= k_pos > q_pos - window
+        outs.append(F.scaled_dot_product_attention(q[:, :, a:b], k[:, :, lo:hi], v[:, :, lo:hi], attn_mask=mask,
+                                                   dropout_p=call.dropout_p, scale=call.scale, enable_gqa=gqa))
+    return outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, call: KernelCall) -> torch.Tensor:
+    """Packed ``q [Tq,Hq,D]``, ``k [Tk,Hkv,D]``, ``v [Tk,Hkv,Dv]`` -> ``[Tq,Hq,Dv]`` (see kernels.base)."""
+    plan = call.plan
+    sched = schedule(plan, call.window)
+    gqa = q.shape[1] != k.shape[1]
+    num_q_heads, dim_v = q.shape[1], v.shape[2]
+    segments = plan.segments
+    cq, ck = plan.host_cu_q, plan.host_cu_k
+    pieces: list[torch.Tensor] = []
+    for st in sched.steps:
+        if isinstance(st, _Batch):
+            if st.q_index is None:
+                i = st.segments[0]
+                n = segments[i].q_len
+                o = F.scaled_dot_product_attention(
+                    _heads_first(q[cq[i]:cq[i] + n]), _heads_first(k[ck[i]:ck[i] + n]), _heads_first(v[ck[i]:ck[i] + n]),
+                    dropout_p=call.dropout_p, is_causal=True, scale=call.scale, enable_gqa=gqa)
+                pieces.append(o[0].transpose(0, 1))
+            else:
+                nb, length = len(st.segments), st.length
+                qb = q.index_select(0, st.q_index).view(nb, length, num_q_heads, -1).transpose(1, 2)
+                kb = k.index_select(0, st.k_index).view(nb, length, k.shape[1], -1).transpose(1, 2)
+                vb = v.index_select(0, st.k_index).view(nb, length, v.shape[1], -1).transpose(1, 2)
+                o = F.scaled_dot_product_attention(qb, kb, vb, dropout_p=call.dropout_p, is_causal=True,
+                                                   scale=call.scale, enable_gqa=gqa)
+                pieces.append(o.transpose(1, 2).reshape(nb * length, num_q_heads, dim_v))
+            continue
+        s = segments[st.segment]
+        qs = _heads_first(q[cq[st.segment]:cq[st.segment] + s.q_len])
+        ks = _heads_first(k[ck[st.segment]:ck[st.segment] + s.k_len])
+        vs = _heads_first(v[ck[st.segment]:ck[st.segment] + s.k_len])
+        if isinstance(st, _Prefix):
+            if s.q_len == 1:  # one query sees every key: no mask at all
+                o = F.scaled_dot_product_attention(qs, ks, vs, dropout_p=call.dropout_p, scale=call.scale,
+                                                   enable_gqa=gqa)
+            elif q.device.type == "cpu" and call.dropout_p == 0.0 and _cpu_flash is not None:
+                o = _PrefixMerge.apply(qs, ks, vs, s.prefix, call.scale)
+            else:
+                chunk = max(_MIN_CHUNK, min(s.q_len, _MASK_BUDGET // s.k_len))
+                o = _masked(qs, ks, vs, None, chunk, call, gqa)
+        else:
+            o = _masked(qs, ks, vs, call.window, st.chunk, call, gqa)
+        pieces.append(o[0].transpose(0, 1))
+    out = pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=0)
+    if sched.out_index is not None:
+        out = out.index_select(0, sched.out_index)
+    return out

@@ -1,0 +1,39 @@
+"""``torch_varlen``: ``torch.nn.attention.varlen.varlen_attn`` (flash kernel inside torch, CUDA only).
+
+Causal through ``window_size=(-1, 0)`` (or ``(w - 1, 0)`` with a sliding window), bottom-right
+aligned like flash-attn; no dropout and no softcap.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ._imports import optional_import
+from .base import KernelCall, KernelSpec
+
+NAME = "torch_varlen"
+MODULE = "torch.nn.attention.varlen"
+
+
+def unavailable_reason(spec: KernelSpec) -> str | None:
+    module, reason = optional_import(MODULE)
+    if module is None or not hasattr(module, "varlen_attn"):
+        return reason or "torch.nn.attention.varlen.varlen_attn is missing in this torch"
+    if spec.device_type != "cuda":
+        return f"varlen_attn runs on CUDA only in this torch, not {spec.device_type}"
+    if spec.dtype not in (torch.float16, torch.bfloat16):
+        return f"varlen_attn needs float16/bfloat16, got {spec.dtype}"
+    if spec.dropout_p > 0:
+        return "varlen_attn has no dropout"
+    if spec.softcap is not None:
+        return "varlen_attn has no logit softcapping"
+    return None
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, call: KernelCall) -> torch.Tensor:
+    varlen, reason = optional_import(MODULE)
+    if varlen is None:
+        raise RuntimeError(reason)
+    plan = call.plan
+    return varlen.varlen_attn(q, k, v, plan.cu_seqlens_q, plan.cu_seqlens_k, plan.max_seqlen_q, plan.max_seqlen_k,
+                              scale=call.scale, window_size=call.causal_window, enable_gqa=q.shape[1] != k.shape[1])
