@@ -162,23 +162,27 @@ class _PrefixMerge(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, prefix: int, scale: float):  # type: ignore[override]
+        # Both halves and the merge run in float32 (the CPU kernel is no slower there), so a
+        # bf16/fp16 result is rounded once, like a single kernel's, instead of three times.
+        dtype = q.dtype
+        q, k, v = q.float(), k.float(), v.float()
         o1, l1 = _cpu_flash(q, k[:, :, :prefix], v[:, :, :prefix], 0.0, False, scale=scale)
         o2, l2 = _cpu_flash(q, k[:, :, prefix:], v[:, :, prefix:], 0.0, True, scale=scale)
         lse = torch.logaddexp(l1, l2)
-        out = (o1.float() * torch.exp(l1 - lse).unsqueeze(-1) + o2.float() * torch.exp(l2 - lse).unsqueeze(-1))
-        out = out.to(q.dtype)
+        out = o1 * torch.exp(l1 - lse).unsqueeze(-1) + o2 * torch.exp(l2 - lse).unsqueeze(-1)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.prefix, ctx.scale = prefix, scale
-        return out
+        return out.to(dtype)
 
     @staticmethod
     def backward(ctx, grad_out):  # type: ignore[override]
         q, k, v, out, lse = ctx.saved_tensors
-        p, scale = ctx.prefix, ctx.scale
-        grad_out = grad_out.contiguous()
+        p, scale, dtype = ctx.prefix, ctx.scale, grad_out.dtype
+        grad_out = grad_out.float().contiguous()
         dq1, dk1, dv1 = _cpu_flash_bwd(grad_out, q, k[:, :, :p], v[:, :, :p], out, lse, 0.0, False, scale=scale)
         dq2, dk2, dv2 = _cpu_flash_bwd(grad_out, q, k[:, :, p:], v[:, :, p:], out, lse, 0.0, True, scale=scale)
-        return dq1 + dq2, torch.cat([dk1, dk2], dim=2), torch.cat([dv1, dv2], dim=2), None, None
+        return ((dq1 + dq2).to(dtype), torch.cat([dk1, dk2], dim=2).to(dtype), torch.cat([dv1, dv2], dim=2).to(dtype),
+                None, None)
 
 
 def _masked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int | None, chunk: int,
