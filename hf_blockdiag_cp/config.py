@@ -26,6 +26,7 @@ ENV_VARS: dict[str, str] = {
     "validate": "HF_BLOCKDIAG_CP_VALIDATE",
     "flash_prefix_guard": "HF_BLOCKDIAG_CP_FLASH_PREFIX_GUARD",
     "collective_timeout_s": "HF_BLOCKDIAG_CP_COLLECTIVE_TIMEOUT_S",
+    "disabled_backends": "HF_BLOCKDIAG_CP_DISABLE_BACKENDS",
 }
 
 _TRUE = {"1", "true", "yes", "on"}
@@ -46,6 +47,11 @@ def _env_bool(name: str, default: bool) -> bool:
     if value in _FALSE:
         return False
     raise ValueError(f"{ENV_VARS[name]}={raw!r} is not a boolean (use 1/0, true/false, yes/no, on/off)")
+
+
+def _env_names(name: str) -> tuple[str, ...]:
+    raw = os.environ.get(ENV_VARS[name], "")
+    return tuple(part.strip().lower() for part in raw.split(",") if part.strip())
 
 
 def _env_float(name: str, default: float) -> float:
@@ -76,8 +82,12 @@ class BlockDiagCPConfig:
         flash_prefix_guard: run segments whose keys start before their queries (the document
             straddling a shard boundary) through fixed-length flash, the rest in one varlen call.
             Env: ``HF_BLOCKDIAG_CP_FLASH_PREFIX_GUARD``.
-        collective_timeout_s: bound on the per-step agreement collective, so that a rank whose
-            peer failed raises instead of hanging. Env: ``HF_BLOCKDIAG_CP_COLLECTIVE_TIMEOUT_S``.
+        collective_timeout_s: bound on every collective this package issues (rank agreement, K/V
+            exchange), so that a rank whose peer failed raises a clear error instead of hanging.
+            Env: ``HF_BLOCKDIAG_CP_COLLECTIVE_TIMEOUT_S``.
+        disabled_backends: backends this process must not use (e.g. a kernel known to be broken on
+            one machine); the rank agreement makes every rank avoid them together.
+            Env: ``HF_BLOCKDIAG_CP_DISABLE_BACKENDS`` (comma-separated names).
     """
 
     backend: str = field(default_factory=lambda: _env_str("backend", "auto"))
@@ -86,6 +96,7 @@ class BlockDiagCPConfig:
     validate: bool = field(default_factory=lambda: _env_bool("validate", True))
     flash_prefix_guard: bool = field(default_factory=lambda: _env_bool("flash_prefix_guard", True))
     collective_timeout_s: float = field(default_factory=lambda: _env_float("collective_timeout_s", 600.0))
+    disabled_backends: tuple[str, ...] = field(default_factory=lambda: _env_names("disabled_backends"))
 
     def __post_init__(self) -> None:
         if not isinstance(self.backend, str) or self.backend.lower() not in BACKENDS:
@@ -94,6 +105,11 @@ class BlockDiagCPConfig:
             raise ValueError(f"kv_exchange={self.kv_exchange!r} is not one of {', '.join(KV_EXCHANGES)}")
         object.__setattr__(self, "backend", self.backend.lower())
         object.__setattr__(self, "kv_exchange", self.kv_exchange.lower())
+        disabled = tuple(name.lower() for name in self.disabled_backends)
+        unknown = [name for name in disabled if name not in BACKENDS or name == "auto"]
+        if unknown:
+            raise ValueError(f"disabled_backends={unknown!r} are not backend names ({', '.join(BACKENDS[1:])})")
+        object.__setattr__(self, "disabled_backends", disabled)
         if not self.collective_timeout_s > 0:
             raise ValueError(f"collective_timeout_s={self.collective_timeout_s!r} must be > 0")
 

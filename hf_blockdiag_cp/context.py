@@ -16,6 +16,7 @@ import torch
 
 from .config import BlockDiagCPConfig
 from .planning import PlanError, VarlenPlan, as_doc_ids, build_varlen_plan
+from .planning.fingerprint import fingerprint
 
 __all__ = ["BlockDiagCPContext"]
 
@@ -33,6 +34,8 @@ class BlockDiagCPContext:
         local_index: ``[L]`` int64 global position of every local row.
         plan: this rank's :class:`~hf_blockdiag_cp.planning.VarlenPlan` (CPU; see :meth:`to`).
         exchange: the K/V exchange plan for ``cp_size > 1`` (``None`` on one rank).
+        data_fingerprint: hash of the step's rows (document ids, and token ids when the collator
+            gives them); CP ranks compare it before their first exchange.
         config: the :class:`~hf_blockdiag_cp.config.BlockDiagCPConfig` of this step.
         state: per-step cache owned by this context (device copies, rank agreement); not data.
     """
@@ -46,12 +49,13 @@ class BlockDiagCPContext:
     local_index: torch.Tensor
     plan: VarlenPlan
     exchange: Any = None
+    data_fingerprint: int = 0
     config: BlockDiagCPConfig = field(default_factory=BlockDiagCPConfig)
     state: dict[Any, Any] = field(default_factory=dict, repr=False, compare=False)
 
     @classmethod
     def build(cls, doc_ids: torch.Tensor, *, cp_rank: int = 0, cp_size: int = 1, group: Any = None,
-              config: BlockDiagCPConfig | None = None) -> BlockDiagCPContext:
+              config: BlockDiagCPConfig | None = None, input_ids: torch.Tensor | None = None) -> BlockDiagCPContext:
         """Plan one rank's step for contiguous sharding: rank ``r`` owns rows ``[r*L, (r+1)*L)``.
 
         Args:
@@ -59,6 +63,8 @@ class BlockDiagCPContext:
             cp_rank, cp_size: position in the CP group; ``S`` must be divisible by ``cp_size``.
             group: the CP process group (required when ``cp_size > 1`` for the exchange).
             config: defaults to ``BlockDiagCPConfig()`` (environment-overridable).
+            input_ids: the full rows' token ids, if known: included in ``data_fingerprint`` so
+                that CP ranks holding different tokens are caught, not only different layouts.
         """
         config = config or BlockDiagCPConfig()
         ids = as_doc_ids(doc_ids)
@@ -80,10 +86,14 @@ class BlockDiagCPContext:
             kv_ranges = exchange.kv_ranges[cp_rank]
         plan = build_varlen_plan(ids, local_len=local_len, row_offset=row_offset, kv_ranges=kv_ranges,
                                  validate=config.validate)
-        return cls(doc_ids=ids.to(torch.int32), cp_rank=cp_rank, cp_size=cp_size, group=group,
+        doc_ids32 = ids.to(torch.int32).contiguous()
+        parts = [repr(tuple(doc_ids32.shape)).encode(), doc_ids32.numpy().tobytes()]
+        if input_ids is not None:
+            parts.append(torch.as_tensor(input_ids).detach().to("cpu", torch.int64).contiguous().numpy().tobytes())
+        return cls(doc_ids=doc_ids32, cp_rank=cp_rank, cp_size=cp_size, group=group,
                    row_offset=row_offset, local_len=local_len,
                    local_index=torch.arange(row_offset, row_offset + local_len, dtype=torch.int64), plan=plan,
-                   exchange=exchange, config=config)
+                   exchange=exchange, data_fingerprint=fingerprint(*parts), config=config)
 
     @property
     def batch_size(self) -> int:

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 import torch
 
 from ..config import BlockDiagCPConfig
-from ..kernels import KernelCall, KernelSpec, choose_backend, get_backend
+from ..kernels import KernelCall, KernelSpec, available_backends, choose_backend, get_backend
 from ..planning import PlanError, VarlenPlan, as_doc_ids, build_varlen_plan
 
 __all__ = ["attend_flat", "blockdiag_attention", "check_qkv", "flat_rows", "kernel_spec"]
@@ -150,7 +150,7 @@ def blockdiag_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Ten
     plan = build_varlen_plan(ids, local_len=local_len, row_offset=row_offset, validate=config.validate)
     plan = plan.to(query.device)
     spec = kernel_spec(query, key, value, dropout_p=dropout_p, window=sliding_window, softcap=None)
-    name, note = choose_backend(backend, spec)
+    name, note = choose_backend(backend, spec, available_backends(spec, config.disabled_backends))
     if note:
         warnings.warn(note, stacklevel=2)
     out = attend_flat(flat_rows(query), flat_rows(key), flat_rows(value), plan, name,

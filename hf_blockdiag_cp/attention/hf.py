@@ -22,7 +22,7 @@ import torch
 
 from ..config import BlockDiagCPConfig
 from ..context import BlockDiagCPContext
-from ..kernels import BackendUnavailable, choose_backend
+from ..kernels import BackendUnavailable, available_backends, choose_backend
 from ..planning import (
     VarlenPlan,
     build_varlen_plan,
@@ -197,7 +197,7 @@ def blockdiag_cp_attention(module: torch.nn.Module, query: torch.Tensor, key: to
         config = BlockDiagCPConfig()
         plan = _plan_from_kwargs(query, key, mask, kwargs, config)
     spec = kernel_spec(query, key, value, dropout_p=dropout, window=sliding_window, softcap=softcap)
-    backend, note = choose_backend(config.backend, spec)
+    backend, note = choose_backend(config.backend, spec, available_backends(spec, config.disabled_backends))
     if note:
         warnings.warn(note, stacklevel=2)
     out = attend_flat(flat_rows(query), flat_rows(key), flat_rows(value), plan, backend, scale=scale,

@@ -47,9 +47,9 @@ def unavailable_reason(name: str, spec: KernelSpec) -> str | None:
     return get_backend(name).unavailable_reason(spec)
 
 
-def available_backends(spec: KernelSpec) -> frozenset[str]:
-    """Every backend that can run ``spec`` on this process."""
-    return frozenset(name for name in _BACKENDS if unavailable_reason(name, spec) is None)
+def available_backends(spec: KernelSpec, disabled: tuple[str, ...] = ()) -> frozenset[str]:
+    """Every backend that can run ``spec`` on this process, minus the ``disabled`` ones."""
+    return frozenset(name for name in _BACKENDS if name not in disabled and unavailable_reason(name, spec) is None)
 
 
 def choose_backend(requested: str, spec: KernelSpec, available: frozenset[str] | None = None) -> tuple[str, str | None]:
