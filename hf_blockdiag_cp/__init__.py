@@ -10,7 +10,17 @@ with transformers; see the README for the data flow::
 from .attention import ATTN_IMPLEMENTATION, BlockDiagMask, blockdiag_attention, blockdiag_cp_attention, register
 from .config import BACKENDS, KV_EXCHANGES, BlockDiagCPConfig
 from .context import BlockDiagCPContext
+from .data import PackedDataset, PackedRow, PackingCollator, from_flattened
 from .planning import PlanError, VarlenPlan, build_varlen_plan
+from .training import (
+    check_collator,
+    cp_coordinates,
+    dp_dataloader,
+    guard_model,
+    init_device_mesh,
+    normalize_num_items,
+    reduce_loss_for_logging,
+)
 
 __version__ = "0.1.0"
 
@@ -21,11 +31,22 @@ __all__ = [
     "BlockDiagCPContext",
     "BlockDiagMask",
     "KV_EXCHANGES",
+    "PackedDataset",
+    "PackedRow",
+    "PackingCollator",
     "PlanError",
     "VarlenPlan",
     "blockdiag_attention",
     "blockdiag_cp_attention",
     "build_varlen_plan",
+    "check_collator",
+    "cp_coordinates",
+    "dp_dataloader",
+    "guard_model",
+    "init_device_mesh",
+    "normalize_num_items",
+    "reduce_loss_for_logging",
+    "from_flattened",
     "register",
 ]
 

@@ -1,0 +1,35 @@
+"""Data side: packing documents into rows and cutting rows into per-rank batches with their context.
+
+``PackedDataset`` (stream of examples -> packed rows) -> ``PackingCollator`` (rows -> this rank's
+batch dict with a ``BlockDiagCPContext``); ``from_flattened`` converts HF's own flattened batches.
+"""
+
+from .collator import PackingCollator
+from .dataset import PackedDataset
+from .examples import Document, read_example
+from .flattened import from_flattened
+from .packing import OVERFLOW_MODES, Piece, best_fit_decreasing, first_fit, next_fit, padding_fraction, split_overflow
+from .rows import FullRows, PackedRow, assemble_rows, shift_row_labels
+from .sharding import BATCH_KEYS, rank_batch, resolve_cp
+
+__all__ = [
+    "BATCH_KEYS",
+    "Document",
+    "FullRows",
+    "OVERFLOW_MODES",
+    "PackedDataset",
+    "PackedRow",
+    "PackingCollator",
+    "Piece",
+    "assemble_rows",
+    "best_fit_decreasing",
+    "first_fit",
+    "from_flattened",
+    "next_fit",
+    "padding_fraction",
+    "rank_batch",
+    "read_example",
+    "resolve_cp",
+    "shift_row_labels",
+    "split_overflow",
+]

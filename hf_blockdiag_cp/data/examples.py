@@ -1,0 +1,102 @@
+"""Reading user examples: validate one example's fields and turn them into a :class:`Document`.
+
+Every check runs on the host before any packing, and every error names the example index and the
+field, so a bad record in a large dataset can be found.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+__all__ = ["Document", "read_example", "token_tensor"]
+
+
+@dataclass(frozen=True, eq=False)
+class Document:
+    """One document (or one piece of a long document) ready to be laid into a row.
+
+    Attributes:
+        input_ids: ``[n]`` int64 token ids (CPU).
+        labels: ``[n]`` int64 unshifted labels, ``-100`` where ignored (CPU; the collator writes its
+            own ``label_pad_id`` when it lays the row out).
+        position_start: position id of the first token (0, or the cut offset of a split piece).
+        index: index of the source example (for error messages and bookkeeping).
+    """
+
+    input_ids: torch.Tensor
+    labels: torch.Tensor
+    position_start: int = 0
+    index: int = 0
+
+    def __len__(self) -> int:
+        return int(self.input_ids.numel())
+
+    def piece(self, start: int, length: int) -> Document:
+        """Tokens ``[start, start + length)`` as a document whose positions continue this one's."""
+        return Document(self.input_ids[start:start + length], self.labels[start:start + length],
+                        self.position_start + start, self.index)
+
+
+def token_tensor(value: Any, *, index: int | None, field: str) -> torch.Tensor:
+    """``value`` (list of ints, 1-D tensor or array) as a CPU int64 ``[n]`` tensor, or a ``ValueError``
+    naming ``example {index}`` (``batch`` when ``index`` is None) and ``field``."""
+    where = f"example {index}: {field}" if index is not None else f"batch: {field}"
+    if isinstance(value, (str, bytes)):
+        raise ValueError(f"{where} must be a sequence of ints, got {type(value).__name__} (tokenize first)")
+    if isinstance(value, torch.Tensor):
+        tensor = value.detach()
+    else:
+        if isinstance(value, (list, tuple)) and any(isinstance(v, bool) for v in value):
+            raise ValueError(f"{where} must contain ints, found a bool")
+        try:
+            tensor = torch.as_tensor(value)
+        except (TypeError, ValueError, RuntimeError) as err:
+            raise ValueError(f"{where} must be a sequence of ints: {err}") from err
+    if tensor.numel() == 0 and tensor.dim() == 1:
+        return torch.zeros(0, dtype=torch.int64)  # [] reads as float32; an empty document has no dtype to check
+    if tensor.dtype == torch.bool or tensor.dtype.is_floating_point or tensor.dtype.is_complex:
+        raise ValueError(f"{where} must contain integers, got dtype {tensor.dtype}")
+    if tensor.dim() != 1:
+        raise ValueError(f"{where} must be 1-D (one document), got shape {tuple(tensor.shape)}")
+    return tensor.to(device="cpu", dtype=torch.int64)
+
+
+def read_example(example: Any, *, index: int, label_pad_id: int = -100) -> Document:
+    """Validate one example and return it as a :class:`Document`.
+
+    Args:
+        example: a mapping with ``input_ids`` (``[n]`` ints >= 0) and optional ``labels`` (``[n]``
+            ints; ``-100`` and ``label_pad_id`` mean ignored). Other keys are ignored.
+        index: the example's index, quoted in errors.
+        label_pad_id: a second value (besides ``-100``) that marks an ignored input label.
+
+    Returns:
+        A :class:`Document` with ignored labels as ``-100``; without ``labels`` the labels are a copy
+        of ``input_ids``.
+    """
+    if not isinstance(example, Mapping):
+        raise ValueError(f"example {index} must be a mapping with 'input_ids', got {type(example).__name__}")
+    if "input_ids" not in example:
+        raise ValueError(f"example {index}: missing field 'input_ids' (keys: {sorted(map(str, example))})")
+    input_ids = token_tensor(example["input_ids"], index=index, field="input_ids")
+    if input_ids.numel() and int(input_ids.min()) < 0:
+        pos = int(torch.nonzero(input_ids < 0)[0])
+        raise ValueError(f"example {index}: input_ids[{pos}]={int(input_ids[pos])} is negative; token ids must be >= 0")
+    labels_value = example.get("labels")
+    if labels_value is None:
+        return Document(input_ids, input_ids.clone(), 0, index)
+    labels = token_tensor(labels_value, index=index, field="labels")
+    if labels.numel() != input_ids.numel():
+        raise ValueError(f"example {index}: labels has length {labels.numel()} but input_ids has length "
+                         f"{input_ids.numel()}; they must match (labels are unshifted, one per token)")
+    ignored = (labels == -100) | (labels == label_pad_id)
+    bad = (labels < 0) & ~ignored
+    if bool(bad.any()):
+        pos = int(torch.nonzero(bad)[0])
+        raise ValueError(f"example {index}: labels[{pos}]={int(labels[pos])} is negative but not an ignore value "
+                         f"(-100 or label_pad_id={label_pad_id})")
+    return Document(input_ids, labels.masked_fill(ignored, -100), 0, index)

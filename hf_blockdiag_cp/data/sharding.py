@@ -1,0 +1,96 @@
+"""From full rows to one CP rank's batch: resolve the CP topology, build the context, slice.
+
+Contiguous sharding: the full row of ``S`` tokens is cut into ``cp_size`` shards of ``L = S / cp_size``;
+rank ``r`` owns global positions ``[r*L, (r+1)*L)`` (``BlockDiagCPContext.local_index``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ..config import BlockDiagCPConfig
+from ..context import BlockDiagCPContext
+from .rows import FullRows
+
+__all__ = ["BATCH_KEYS", "rank_batch", "resolve_cp", "row_multiple"]
+
+#: Keys of every batch dict the collators return (all accepted by ``XForCausalLM.forward``).
+BATCH_KEYS: tuple[str, ...] = ("input_ids", "position_ids", "labels", "shift_labels", "num_items_in_batch",
+                               "cp_context", "use_cache")
+
+
+def resolve_cp(group: Any, cp_rank: int | None, cp_size: int | None) -> tuple[int, int, Any]:
+    """``(cp_rank, cp_size, process_group)`` from a ``ProcessGroup``, a 1-D ``DeviceMesh`` or explicit ints.
+
+    Explicit ``cp_rank`` / ``cp_size`` must agree with ``group`` when both are given.
+    """
+    process_group = group
+    if group is not None:
+        from torch.distributed.device_mesh import DeviceMesh
+
+        if isinstance(group, DeviceMesh):
+            if group.ndim != 1:
+                raise ValueError(f"group: a DeviceMesh must be 1-D (the CP dimension), got {group.ndim}-D "
+                                 f"{group.mesh_dim_names}; pass mesh['cp']")
+            group_rank, group_size, process_group = group.get_local_rank(), group.size(), group.get_group()
+        else:
+            import torch.distributed as dist
+
+            if not dist.is_initialized():
+                raise ValueError("group: torch.distributed is not initialized")
+            group_rank, group_size = dist.get_rank(group), dist.get_world_size(group)
+            if group_rank < 0:
+                raise ValueError("group: this process is not a member of the given process group")
+        if cp_size is not None and cp_size != group_size:
+            raise ValueError(f"cp_size={cp_size} disagrees with the group's size {group_size}")
+        if cp_rank is not None and cp_rank != group_rank:
+            raise ValueError(f"cp_rank={cp_rank} disagrees with this process's rank {group_rank} in the group")
+        cp_rank, cp_size = group_rank, group_size
+    if cp_size is None:
+        cp_size = 1
+    if isinstance(cp_size, bool) or not isinstance(cp_size, int) or cp_size < 1:
+        raise ValueError(f"cp_size={cp_size!r} must be an int >= 1")
+    if cp_rank is None:
+        if cp_size > 1:
+            raise ValueError(f"cp_rank is required with cp_size={cp_size} when no group is given")
+        cp_rank = 0
+    if isinstance(cp_rank, bool) or not isinstance(cp_rank, int) or not 0 <= cp_rank < cp_size:
+        raise ValueError(f"cp_rank={cp_rank!r} must be an int in [0, cp_size={cp_size})")
+    return cp_rank, cp_size, process_group
+
+
+def row_multiple(cp_size: int, pad_to_multiple_of: int | None) -> int:
+    """Rows are a multiple of this many tokens: every rank's shard is a multiple of ``pad_to_multiple_of``."""
+    value = pad_to_multiple_of
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+        raise ValueError(f"pad_to_multiple_of={pad_to_multiple_of!r} must be None or an int >= 1")
+    return cp_size * (pad_to_multiple_of or 1)
+
+
+def rank_batch(full: FullRows, *, cp_rank: int, cp_size: int, group: Any = None,
+               config: BlockDiagCPConfig | None = None, num_items: int | None = None) -> dict[str, Any]:
+    """Rank ``cp_rank``'s batch of the full rows ``full`` (``[B, S]``; ``B == 1`` when ``cp_size > 1``).
+
+    Returns:
+        ``input_ids``, ``position_ids``, ``labels``, ``shift_labels``: ``[B, L]`` int64 local slices;
+        ``num_items_in_batch``: int, ``num_items`` or the targets of the full rows (the same on every
+        rank); ``cp_context``: the rank's :class:`BlockDiagCPContext`; ``use_cache``: ``False``.
+    """
+    batch, full_len = full.input_ids.shape
+    if cp_size > 1 and batch != 1:
+        raise ValueError(f"under context parallelism a micro-batch is one packed row, got {batch} rows")
+    context = BlockDiagCPContext.build(full.doc_ids, cp_rank=cp_rank, cp_size=cp_size, group=group, config=config)
+    local = slice(context.row_offset, context.row_offset + context.local_len)
+    return {
+        "input_ids": full.input_ids[:, local].contiguous(),
+        "position_ids": full.position_ids[:, local].contiguous(),
+        "labels": full.labels[:, local].contiguous(),
+        "shift_labels": full.shift_labels[:, local].contiguous(),
+        # A Python int, not a 0-dim tensor: accelerate's batch dispatcher (used by the Trainer for
+        # iterable datasets) concatenates and slices every tensor along dim 0, which 0-dim tensors fail.
+        "num_items_in_batch": full.num_items if num_items is None else int(num_items),
+        "cp_context": context,
+        # A packed training forward must not build a KV cache (config.use_cache defaults to True
+        # outside the Trainer); the cp_context path refuses a cache that holds earlier keys.
+        "use_cache": False,
+    }
