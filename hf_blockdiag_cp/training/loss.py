@@ -1,0 +1,60 @@
+"""Loss normalisation for (dp, cp) training: the exact global token mean, whatever the layout.
+
+Each rank's HF causal-LM loss is ``S_r / num_items_in_batch`` where ``S_r`` is the summed
+cross-entropy of its local ``shift_labels``. DDP and FSDP average gradients over the ``W = dp * cp``
+ranks, so the gradient of the global mean ``sum_r S_r / N`` (``N`` = targets of every row of the
+step, over all DP groups) needs ``num_items_in_batch = N / W`` on every rank. CP ranks of one group
+share their rows, so ``N`` is the sum of the collator's row counts over the ``dp`` dimension.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+
+from .mesh import cp_coordinates
+
+__all__ = ["global_num_items", "normalize_num_items", "reduce_loss_for_logging"]
+
+
+def global_num_items(num_items: int | torch.Tensor, mesh: DeviceMesh | None,
+                     device: torch.device | str = "cpu") -> torch.Tensor:
+    """``N``: the step's targets summed over the DP groups (one collective over ``dp``; no host read)."""
+    total = torch.as_tensor(num_items, dtype=torch.float64 if torch.device(device).type == "cpu" else torch.float32,
+                            device=device).clone()
+    if mesh is not None and cp_coordinates(mesh)["dp_size"] > 1:
+        dist.all_reduce(total, group=mesh["dp"].get_group())
+    return total
+
+
+def normalize_num_items(batch: dict[str, Any], mesh: DeviceMesh | None, *, world_size: int | None = None,
+                        device: torch.device | str = "cpu") -> dict[str, Any]:
+    """Return ``batch`` with ``num_items_in_batch = N / W`` for gradient-averaging wrappers (DDP/FSDP).
+
+    Args:
+        batch: a collator batch (its ``num_items_in_batch`` counts the rows of this micro-batch,
+            or of all micro-batches of the step when they came from ``micro_batches``).
+        mesh: the (dp, cp) mesh (``None`` on one process).
+        world_size: ``W``, the ranks the gradient is averaged over (default: the mesh's size).
+        device: where to put the count (the model's device).
+    """
+    if "num_items_in_batch" not in batch:
+        raise ValueError("batch has no num_items_in_batch: build it with hf_blockdiag_cp.PackingCollator")
+    total = global_num_items(batch["num_items_in_batch"], mesh, device)
+    world = world_size if world_size is not None else (mesh.size() if mesh is not None else 1)
+    return {**batch, "num_items_in_batch": total / world}
+
+
+def reduce_loss_for_logging(loss: torch.Tensor, mesh: DeviceMesh | None) -> torch.Tensor:
+    """The true global mean from per-rank losses normalised by :func:`normalize_num_items`.
+
+    ``loss_r = W * S_r / N`` so ``sum_r loss_r / W = sum_r S_r / N``; one all-reduce over the world.
+    """
+    value = loss.detach().clone()
+    if mesh is None:
+        return value
+    dist.all_reduce(value)
+    return value / mesh.size()
