@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 from ..config import BACKENDS
 from ..kernels import KernelSpec, available_backends
-from .exchange import wait
+from .exchange import all_gather_single, wait
 
 __all__ = ["AgreementError", "agree_on_backends"]
 
@@ -52,7 +52,7 @@ def agree_on_backends(spec: KernelSpec, *, data_fingerprint: int, plan_fingerpri
     on_cpu = dist.get_backend(group) != "nccl"
     row_dev = row if on_cpu else row.to(device)
     table = row_dev.new_empty(size * 3)
-    work = dist.all_gather_into_tensor(table, row_dev, group=group, async_op=True)
+    work = all_gather_single(table, row_dev, group=group, async_op=True)
     wait(work, "blockdiag_cp rank agreement", rank, timeout)
     rows = (table if on_cpu else table.cpu()).view(size, 3).tolist()  # once per step, on the host
     data = [r[0] for r in rows]

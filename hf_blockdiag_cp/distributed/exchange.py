@@ -25,6 +25,11 @@ import torch.distributed as dist
 __all__ = ["CollectiveError", "CommStats", "RankExchange", "exchange_kv", "wait"]
 
 
+# torch 2.13 renamed the single-tensor collectives (the old names warn); older torch has only those.
+all_gather_single = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
+reduce_scatter_single = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)
+
+
 class CollectiveError(RuntimeError):
     """A collective of the CP group failed or timed out (usually: a peer rank failed first)."""
 
@@ -110,7 +115,7 @@ class _AllGather(torch.autograd.Function):
     def forward(ctx, kv: torch.Tensor, ex: RankExchange) -> torch.Tensor:  # type: ignore[override]
         kv = kv.contiguous()
         out = kv.new_empty(ex.size * kv.shape[0], kv.shape[1])
-        work = dist.all_gather_into_tensor(out, kv, group=ex.group, async_op=True)
+        work = all_gather_single(out, kv, group=ex.group, async_op=True)
         wait(work, "K/V all-gather", ex.rank, ex.timeout)
         ctx.ex = ex
         if ex.stats is not None:
@@ -122,7 +127,7 @@ class _AllGather(torch.autograd.Function):
         ex: RankExchange = ctx.ex
         grad = grad.contiguous()
         out = grad.new_empty(grad.shape[0] // ex.size, grad.shape[1])
-        work = dist.reduce_scatter_tensor(out, grad, op=dist.ReduceOp.SUM, group=ex.group, async_op=True)
+        work = reduce_scatter_single(out, grad, op=dist.ReduceOp.SUM, group=ex.group, async_op=True)
         wait(work, "K/V gradient reduce-scatter", ex.rank, ex.timeout)
         if ex.stats is not None:
             ex.stats.record("backward", _nbytes(out, ex.size - 1), _nbytes(out, ex.size - 1))
