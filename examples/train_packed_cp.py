@@ -49,6 +49,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     p.add_argument("--grad-checkpointing", action="store_true")
+    p.add_argument("--fsdp2", action="store_true",
+                   help="shard the model with torch FSDP2 (fully_shard per decoder layer) over all ranks instead of "
+                        "DDP; works on CPU too (accelerate's own FSDP config needs GPUs)")
     p.add_argument("--check-parity", action="store_true",
                    help="re-run the first step without CP and print both losses and the max gradient difference")
     p.add_argument("--output-dir", default=None, help="save_pretrained the trained model here")
@@ -102,6 +105,17 @@ def _parity(ref_model, dataset, args, tokenizer, config, dp_size: int, cp_loss: 
             "max_grad_diff": grad_diff}
 
 
+def _fully_shard(model: torch.nn.Module, device: torch.device) -> None:
+    """FSDP2 over every rank (the flattened dp x cp world): each decoder layer, then the root."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    world_mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=world_mesh)
+    fully_shard(model, mesh=world_mesh)
+
+
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
     from accelerate import Accelerator
@@ -138,10 +152,17 @@ def main(argv: list[str] | None = None) -> dict:
 
     model = bd.guard_model(model.to(accelerator.device))
     ref_model = copy.deepcopy(model) if args.check_parity else None
+    if args.fsdp2:
+        if accelerator.distributed_type.value == "FSDP":
+            raise SystemExit("--fsdp2 shards the model itself: use it with a MULTI_GPU accelerate config, not FSDP")
+        _fully_shard(model, accelerator.device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
-    if world > 1:
+    if world > 1 and not args.fsdp2:
         model, optimizer = accelerator.prepare(model, optimizer)
     model.train()
+    wrapper = type(model).__name__
+    sharded = any(hasattr(p, "full_tensor") for p in model.parameters())
+    logger.info("model wrapped as %s%s", wrapper, " (FSDP2: DTensor parameters)" if sharded else "")
 
     progress = None
     if accelerator.is_main_process and not args.no_progress:
@@ -190,7 +211,7 @@ def main(argv: list[str] | None = None) -> dict:
         dist.all_gather(peaks, peak)
         dist.all_gather(kv, torch.tensor(float(kv_bytes)))
     summary = {
-        "world": world, "dp_size": coords["dp_size"], "cp_size": coords["cp_size"], "seq_len": args.seq_len,
+        "world": world, "wrapper": wrapper, "fsdp2": sharded, "dp_size": coords["dp_size"], "cp_size": coords["cp_size"], "seq_len": args.seq_len,
         "steps": args.steps, "first_loss": losses[0], "last_loss": losses[-1], "losses": losses,
         "tokens_per_s": tokens_per_s,
         "peak_memory_gib_per_rank": [p.item() / 2**30 for p in peaks],
@@ -215,7 +236,12 @@ def main(argv: list[str] | None = None) -> dict:
             with open(args.summary_json, "w", encoding="utf-8") as fh:
                 json.dump(summary, fh, indent=2)
     if args.output_dir:
-        state = accelerator.get_state_dict(model) if world > 1 else None
+        if args.fsdp2:
+            from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+            state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        else:
+            state = accelerator.get_state_dict(model) if world > 1 else None
         if accelerator.is_main_process:
             accelerator.unwrap_model(model).save_pretrained(args.output_dir, state_dict=state)
             logger.info("saved the model to %s", args.output_dir)

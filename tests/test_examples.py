@@ -1,0 +1,92 @@
+"""Issue 5 acceptance 2 and the configs: every accelerate config parses; the CPU one launches the
+main example, whose loss goes down and whose --check-parity line shows |dloss| <= 1e-5 (fp32)."""
+
+from __future__ import annotations
+
+import glob
+import json
+import math
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parent.parent
+CONFIGS = sorted(glob.glob(str(ROOT / "configs" / "accelerate" / "*.yaml")))
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=[Path(p).stem for p in CONFIGS])
+def test_accelerate_configs_parse_and_fit_their_cp_size(path):
+    from accelerate.commands.config.config_args import load_config_from_file
+
+    config = load_config_from_file(path)
+    raw = yaml.safe_load(Path(path).read_text())
+    assert config.num_processes == raw["num_processes"] >= 2
+    assert raw["distributed_type"] in ("MULTI_GPU", "FSDP")
+    assert raw.get("rdzv_backend") == "static"
+    usage = re.search(r"--cp-size (\d+)", Path(path).read_text())
+    assert usage, f"{path} must say which --cp-size it is for"
+    cp_size = int(usage.group(1))
+    assert raw["num_processes"] % cp_size == 0
+    if raw["distributed_type"] == "FSDP":
+        assert raw["fsdp_config"]["fsdp_version"] == 2
+    if raw.get("num_machines", 1) > 1:
+        assert raw["num_processes"] % raw["num_machines"] == 0
+        assert (raw["num_processes"] // raw["num_machines"]) % cp_size == 0, "a CP group must fit in one node"
+
+
+def _launch(tmp_path, *args: str, timeout: int = 300) -> dict:
+    summary = tmp_path / "summary.json"
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
+           str(ROOT / "configs" / "accelerate" / "cpu_cp2.yaml"), str(ROOT / "examples" / "train_packed_cp.py"),
+           "--summary-json", str(summary), "--no-progress", *args]
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    result = json.loads(summary.read_text())
+    result["stdout"] = proc.stdout
+    return result
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_cpu_config_launches_the_example_loss_falls_and_parity_holds(tmp_path):
+    result = _launch(tmp_path, "--cp-size", "2", "--seq-len", "512", "--steps", "20", "--max-docs", "24",
+                     "--check-parity", "--output-dir", str(tmp_path / "model"))
+    assert result["world"] == 2 and result["cp_size"] == 2
+    assert all(math.isfinite(x) for x in result["losses"])
+    assert result["last_loss"] < result["losses"][0]
+    parity = result["parity"]
+    assert parity["abs_loss_diff"] <= 1e-5 and parity["max_grad_diff"] <= 1e-4
+    assert re.search(r"parity: loss with CP [\d.]+ without CP [\d.]+ \|dloss\| ", result["stdout"])
+    assert "tokens/s" in result["stdout"] and "K/V exchanged per step" in result["stdout"]
+    # --output-dir: a normal checkpoint that loads back with the plugin.
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "model", attn_implementation="blockdiag_cp")
+    assert torch.isfinite(model(torch.tensor([[1, 2, 3]]), use_cache=False).logits).all()
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_example_with_fsdp2_and_activation_checkpointing_keeps_parity(tmp_path):
+    result = _launch(tmp_path, "--cp-size", "2", "--seq-len", "512", "--steps", "2", "--max-docs", "24",
+                     "--check-parity", "--fsdp2", "--grad-checkpointing", "--kv-exchange", "a2a")
+    assert result["fsdp2"] and result["kv_exchange_strategy"] == "a2a"
+    assert result["parity"]["abs_loss_diff"] <= 1e-5 and result["parity"]["max_grad_diff"] <= 1e-4
+
+
+@pytest.mark.distributed
+def test_example_rejects_a_cp_size_that_does_not_divide_the_world(tmp_path):
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
+           str(ROOT / "configs" / "accelerate" / "cpu_cp2.yaml"), str(ROOT / "examples" / "train_packed_cp.py"),
+           "--cp-size", "3", "--steps", "1", "--max-docs", "4", "--no-progress"]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=180,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode != 0
+    assert "world size 2 is not divisible by cp_size=3" in proc.stderr
