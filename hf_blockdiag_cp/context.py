@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from .config import BlockDiagCPConfig
+from .distributed.groups import group_to_ref, ref_to_group
 from .planning import PlanError, VarlenPlan, as_doc_ids, build_varlen_plan
 from .planning.fingerprint import fingerprint
 
@@ -94,6 +95,19 @@ class BlockDiagCPContext:
                    row_offset=row_offset, local_len=local_len,
                    local_index=torch.arange(row_offset, row_offset + local_len, dtype=torch.int64), plan=plan,
                    exchange=exchange, data_fingerprint=fingerprint(*parts), config=config)
+
+    def __getstate__(self) -> dict[str, Any]:
+        # Batches come back from DataLoader workers pickled: send the group by name, not the
+        # per-step cache (device copies, agreement) which belongs to the process that filled it.
+        state = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        state["group"] = group_to_ref(self.group)
+        state["state"] = {}
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        state = {**state, "group": ref_to_group(state["group"])}
+        for name, value in state.items():
+            object.__setattr__(self, name, value)
 
     @property
     def batch_size(self) -> int:

@@ -57,7 +57,7 @@ def run_ranks(fn: Callable, world_size: int, *args: Any, timeout: float = 180.0,
     results = ctx.Queue()
     port = _free_port()
     procs = [ctx.Process(target=_entry, args=(r, world_size, port, fn, args, results, env or {}, pg_timeout_s),
-                         daemon=True) for r in range(world_size)]
+                         daemon=False) for r in range(world_size)]
     for p in procs:
         p.start()
     outcome: dict[int, tuple[str, Any]] = {}

@@ -7,6 +7,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from ..config import BlockDiagCPConfig
+from ..distributed.groups import group_to_ref, ref_to_group
 from .examples import Document, read_example
 from .packing import OVERFLOW_MODES, pack_pieces, split_overflow
 from .rows import PackedRow, assemble_rows
@@ -65,6 +66,14 @@ class PackingCollator:
         self.pad_to_multiple_of = pad_to_multiple_of
         self.overflow = overflow
         self.config = config or BlockDiagCPConfig()
+
+    def __getstate__(self) -> dict[str, Any]:
+        # DataLoader workers started with "spawn" receive the collator pickled: send the CP group
+        # by name (the contexts built there carry the name back to the main process).
+        return {**self.__dict__, "group": group_to_ref(self.group)}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update({**state, "group": ref_to_group(state["group"])})
 
     @property
     def local_len(self) -> int:

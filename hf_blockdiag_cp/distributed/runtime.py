@@ -21,6 +21,7 @@ from ..planning import PlanError
 from ..planning.fingerprint import fingerprint
 from .agreement import agree_on_backends
 from .exchange import CommStats, RankExchange, exchange_kv
+from .groups import GroupRef
 
 __all__ = ["CPKernelError", "comm_stats", "cp_attention", "step_backends"]
 
@@ -49,6 +50,9 @@ def _rank_exchange(ctx: BlockDiagCPContext, device: torch.device) -> RankExchang
     if plan.strategy != "none":
         if ctx.group is None or not dist.is_initialized():
             raise RuntimeError("cp_size > 1 needs an initialised torch.distributed process group in cp_context.group")
+        if isinstance(ctx.group, GroupRef):
+            raise RuntimeError(f"cp_context names the process group {ctx.group.name!r}, which this process does not "
+                               "have; build the collator in the training process that created the group")
         if dist.get_world_size(ctx.group) != ctx.cp_size or dist.get_rank(ctx.group) != rank:
             raise ValueError(f"cp_context says rank {rank} of {ctx.cp_size} but its group has rank "
                              f"{dist.get_rank(ctx.group)} of {dist.get_world_size(ctx.group)}")
