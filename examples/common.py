@@ -135,3 +135,76 @@ def tokenize(tokenizer, text: str) -> list[int]:
     if tokenizer.eos_token_id is not None and (not ids or ids[-1] != tokenizer.eos_token_id):
         ids = ids + [tokenizer.eos_token_id]
     return ids
+
+
+def add_common_args(parser) -> None:
+    """The options both examples share (the data, the model, CP and the report)."""
+    import hf_blockdiag_cp as bd
+
+    p = parser
+    p.add_argument("--model", default=DEFAULT_MODEL,
+                   help="a config *.json (fresh weights, byte tokenizer) or a local dir / hub id for from_pretrained")
+    p.add_argument("--data", default=None, help="'stdlib' (default: top-level definitions of the standard library), "
+                   "'stdlib-files', a glob of text files, a .jsonl with a 'text' field, or a datasets name")
+    p.add_argument("--max-docs", type=int, default=None, help="use at most this many documents")
+    p.add_argument("--max-chars", type=int, default=None, help="cut every document to this many characters")
+    p.add_argument("--seq-len", type=int, default=2048, help="tokens per packed row (all CP ranks together)")
+    p.add_argument("--cp-size", type=int, default=1, help="ranks sharing one row (must divide the world size)")
+    p.add_argument("--backend", default="auto", choices=bd.BACKENDS)
+    p.add_argument("--kv-exchange", default="auto", choices=bd.KV_EXCHANGES)
+    p.add_argument("--steps", type=int, default=20, help="optimizer steps")
+    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    p.add_argument("--grad-checkpointing", action="store_true")
+    p.add_argument("--check-parity", action="store_true",
+                   help="re-run the first step without CP and print both losses and the max gradient difference")
+    p.add_argument("--output-dir", default=None, help="save the trained model here")
+    p.add_argument("--summary-json", default=None, help="write the final summary here (main process)")
+    p.add_argument("--no-progress", action="store_true")
+
+
+def load_documents(args, tokenizer) -> list[dict]:
+    """The corpus as examples for the collator: ``[{"input_ids": [...]}, ...]``."""
+    return [{"input_ids": tokenize(tokenizer, t)} for t in read_corpus(args.data, args.max_docs, args.max_chars)]
+
+
+def peak_memory_bytes() -> float:
+    """This process's peak: CUDA ``max_memory_allocated`` with a GPU, else the max RSS (Linux: KiB)."""
+    import resource
+
+    if torch.cuda.is_available():
+        return float(torch.cuda.max_memory_allocated())
+    return float(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
+
+
+def gather_floats(value: float, world: int) -> list[float]:
+    """``value`` of every rank (a collective when ``world > 1``)."""
+    import torch.distributed as dist
+
+    mine = torch.tensor(float(value))
+    if world == 1:
+        return [mine.item()]
+    out = [torch.zeros(()) for _ in range(world)]
+    dist.all_gather(out, mine)
+    return [x.item() for x in out]
+
+
+def report(summary: dict, summary_json: str | None) -> None:
+    """Print the final summary (and the parity line tests look for); write it as JSON if asked."""
+    losses = summary["losses"]
+    print(f"loss: step 1 {losses[0]:.4f} -> step {len(losses)} {losses[-1]:.4f}")
+    print(f"throughput: {summary['tokens_per_s']:,.0f} tokens/s (world {summary['world']}, cp {summary['cp_size']}, "
+          f"seq_len {summary['seq_len']})")
+    print("peak memory per rank (GiB, {}): {}".format(
+        summary["peak_memory_kind"], ", ".join(f"{g:.2f}" for g in summary["peak_memory_gib_per_rank"])))
+    print("K/V exchanged per step per rank (fwd+bwd, MiB, {}): {}".format(
+        summary["kv_exchange_strategy"],
+        ", ".join(f"{b / 2**20:.2f}" for b in summary["kv_exchange_bytes_per_step_per_rank"])))
+    parity = summary.get("parity")
+    if parity is not None:
+        print(f"parity: loss with CP {parity['loss_cp']:.8f} without CP {parity['loss_no_cp']:.8f} "
+              f"|dloss| {parity['abs_loss_diff']:.2e} max|dgrad| {parity['max_grad_diff']:.2e}")
+    if summary_json:
+        with open(summary_json, "w", encoding="utf-8") as fh:
+            json.dump(summary, fh, indent=2)

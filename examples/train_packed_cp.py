@@ -13,10 +13,8 @@ from __future__ import annotations
 
 import argparse
 import copy
-import json
 import logging
 import os
-import resource
 import sys
 import time
 
@@ -26,7 +24,14 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import hf_blockdiag_cp as bd  # noqa: E402  (registers attn_implementation="blockdiag_cp")
-from common import DEFAULT_MODEL, load_model_and_tokenizer, read_corpus, tokenize  # noqa: E402
+from common import (  # noqa: E402
+    add_common_args,
+    gather_floats,
+    load_documents,
+    load_model_and_tokenizer,
+    peak_memory_bytes,
+    report,
+)
 from hf_blockdiag_cp.distributed.runtime import comm_stats  # noqa: E402
 
 logger = logging.getLogger("train_packed_cp")
@@ -34,29 +39,10 @@ logger = logging.getLogger("train_packed_cp")
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default=DEFAULT_MODEL,
-                   help="a config *.json (fresh weights, byte tokenizer) or a local dir / hub id for from_pretrained")
-    p.add_argument("--data", default=None,
-                   help="'stdlib' (default), a glob of text files, a .jsonl with a 'text' field, or a datasets name")
-    p.add_argument("--max-docs", type=int, default=None, help="use at most this many documents")
-    p.add_argument("--max-chars", type=int, default=None, help="cut every document to this many characters")
-    p.add_argument("--seq-len", type=int, default=2048, help="tokens per packed row (all CP ranks together)")
-    p.add_argument("--cp-size", type=int, default=1, help="ranks sharing one row (must divide the world size)")
-    p.add_argument("--backend", default="auto", choices=bd.BACKENDS)
-    p.add_argument("--kv-exchange", default="auto", choices=bd.KV_EXCHANGES)
-    p.add_argument("--steps", type=int, default=20)
-    p.add_argument("--lr", type=float, default=3e-3)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-    p.add_argument("--grad-checkpointing", action="store_true")
+    add_common_args(p)
     p.add_argument("--fsdp2", action="store_true",
                    help="shard the model with torch FSDP2 (fully_shard per decoder layer) over all ranks instead of "
                         "DDP; works on CPU too (accelerate's own FSDP config needs GPUs)")
-    p.add_argument("--check-parity", action="store_true",
-                   help="re-run the first step without CP and print both losses and the max gradient difference")
-    p.add_argument("--output-dir", default=None, help="save_pretrained the trained model here")
-    p.add_argument("--summary-json", default=None, help="write the final summary here (main process)")
-    p.add_argument("--no-progress", action="store_true")
     return p.parse_args(argv)
 
 
@@ -139,8 +125,7 @@ def main(argv: list[str] | None = None) -> dict:
     model.config.use_cache = False
     if args.grad_checkpointing:
         model.activation_checkpointing_enable()
-    texts = list(read_corpus(args.data, args.max_docs, args.max_chars))
-    docs = [{"input_ids": tokenize(tokenizer, t)} for t in texts]
+    docs = load_documents(args, tokenizer)
     dataset = bd.PackedDataset(docs, args.seq_len, seed=args.seed)
     collator = bd.PackingCollator(args.seq_len, group=mesh["cp"] if mesh is not None else None,
                                   pad_token_id=tokenizer.pad_token_id, config=config)
@@ -201,40 +186,20 @@ def main(argv: list[str] | None = None) -> dict:
 
     timed = slice(1, None) if args.steps > 1 else slice(None)  # the first step warms up
     tokens_per_s = sum(step_tokens[timed]) / sum(step_times[timed])
-    if torch.cuda.is_available():
-        peak = torch.tensor(float(torch.cuda.max_memory_allocated()))
-    else:
-        peak = torch.tensor(float(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024))  # Linux: KiB
-    peaks = [peak.clone() for _ in range(world)]
-    kv = [torch.tensor(float(kv_bytes)) for _ in range(world)]
-    if world > 1:
-        dist.all_gather(peaks, peak)
-        dist.all_gather(kv, torch.tensor(float(kv_bytes)))
+    peaks = gather_floats(peak_memory_bytes(), world)
+    kv = gather_floats(kv_bytes, world)
     summary = {
         "world": world, "wrapper": wrapper, "fsdp2": sharded, "dp_size": coords["dp_size"], "cp_size": coords["cp_size"], "seq_len": args.seq_len,
         "steps": args.steps, "first_loss": losses[0], "last_loss": losses[-1], "losses": losses,
         "tokens_per_s": tokens_per_s,
-        "peak_memory_gib_per_rank": [p.item() / 2**30 for p in peaks],
+        "peak_memory_gib_per_rank": [p / 2**30 for p in peaks],
         "peak_memory_kind": "cuda max_memory_allocated" if torch.cuda.is_available() else "process max RSS",
-        "kv_exchange_bytes_per_step_per_rank": [k.item() for k in kv],
+        "kv_exchange_bytes_per_step_per_rank": kv,
         "kv_exchange_strategy": ctx.exchange.strategy if ctx.exchange is not None else "none",
         "parity": parity,
     }
     if accelerator.is_main_process:
-        print(f"loss: step 1 {losses[0]:.4f} -> step {args.steps} {losses[-1]:.4f}")
-        print(f"throughput: {tokens_per_s:,.0f} tokens/s (world {world}, cp {coords['cp_size']}, "
-              f"seq_len {args.seq_len})")
-        print("peak memory per rank (GiB, {}): {}".format(
-            summary["peak_memory_kind"], ", ".join(f"{g:.2f}" for g in summary["peak_memory_gib_per_rank"])))
-        print("K/V exchanged per step per rank (fwd+bwd, MiB, {}): {}".format(
-            summary["kv_exchange_strategy"],
-            ", ".join(f"{b / 2**20:.2f}" for b in summary["kv_exchange_bytes_per_step_per_rank"])))
-        if parity is not None:
-            print(f"parity: loss with CP {parity['loss_cp']:.8f} without CP {parity['loss_no_cp']:.8f} "
-                  f"|dloss| {parity['abs_loss_diff']:.2e} max|dgrad| {parity['max_grad_diff']:.2e}")
-        if args.summary_json:
-            with open(args.summary_json, "w", encoding="utf-8") as fh:
-                json.dump(summary, fh, indent=2)
+        report(summary, args.summary_json)
     if args.output_dir:
         if args.fsdp2:
             from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict

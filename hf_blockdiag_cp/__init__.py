@@ -13,6 +13,7 @@ from .context import BlockDiagCPContext
 from .data import PackedDataset, PackedRow, PackingCollator, from_flattened
 from .planning import PlanError, VarlenPlan, build_varlen_plan
 from .training import (
+    CPTrainer,
     check_collator,
     cp_coordinates,
     dp_dataloader,
@@ -30,6 +31,7 @@ __all__ = [
     "BlockDiagCPConfig",
     "BlockDiagCPContext",
     "BlockDiagMask",
+    "CPTrainer",
     "KV_EXCHANGES",
     "PackedDataset",
     "PackedRow",

@@ -68,6 +68,8 @@ def test_cpu_config_launches_the_example_loss_falls_and_parity_holds(tmp_path):
     import torch
     from transformers import AutoModelForCausalLM
 
+    import hf_blockdiag_cp  # noqa: F401  (registers the attention, as a user's script would)
+
     model = AutoModelForCausalLM.from_pretrained(tmp_path / "model", attn_implementation="blockdiag_cp")
     assert torch.isfinite(model(torch.tensor([[1, 2, 3]]), use_cache=False).logits).all()
 

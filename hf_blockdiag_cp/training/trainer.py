@@ -1,0 +1,225 @@
+"""``CPTrainer``: ``transformers.Trainer`` on a (dp, cp) mesh, without patching the Trainer.
+
+What the transformers 5.24 ``Trainer`` already gets right under CP (see docs/trainer.md for the lines):
+it counts every micro-batch's ``shift_labels != -100`` (each CP rank counts its shard), all-gathers and
+sums the counts over all processes (``average_tokens_across_devices=True``), passes that global count
+``N`` to the model as ``num_items_in_batch`` and multiplies the loss by the number of processes ``W``;
+DDP averages gradients over the ``W`` processes, so the step's gradient is that of the exact global token
+mean, and the logged loss (the mean of the per-process losses) is that mean too.
+
+What it gets wrong, and this class replaces: its data loaders. accelerate shards or dispatches batches
+over *all* processes, so the ranks of one CP group would get different rows, and per-rank CP batches
+(with a ``ProcessGroup`` inside ``cp_context``) cannot be dispatched at all. Here every loader is a
+:func:`~hf_blockdiag_cp.dp_dataloader`, sharded over the mesh's ``dp`` dimension only.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
+
+import torch
+from torch.distributed.device_mesh import DeviceMesh
+from torch.utils.data import DataLoader, Dataset, IterableDataset
+from transformers import Trainer
+from transformers.utils import is_datasets_available
+
+from ..attention.hf import ATTN_IMPLEMENTATION
+from ..context import BlockDiagCPContext
+from ..data import PackedDataset
+from .checks import check_collator, guard_model
+from .data import dp_dataloader
+from .mesh import cp_coordinates
+
+__all__ = ["CPTrainer"]
+
+
+class EndlessPasses(IterableDataset):
+    """The passes over an iterable dataset back to back: pass ``k`` runs after ``set_epoch(epoch + k)``.
+
+    Under DP the groups may hold different numbers of rows per pass; if a group's epoch ended early the
+    Trainer would start a new epoch (or a short accumulation step) there alone and the collectives of
+    the groups would pair up wrongly or hang. An endless stream gives every group exactly
+    ``max_steps * gradient_accumulation_steps`` micro-batches (iterable datasets need ``max_steps`` anyway).
+    """
+
+    def __init__(self, dataset: IterableDataset) -> None:
+        super().__init__()
+        self.dataset, self.epoch = dataset, 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = int(epoch)
+
+    def __iter__(self) -> Iterator[Any]:
+        epoch = self.epoch
+        while True:
+            if hasattr(self.dataset, "set_epoch"):
+                self.dataset.set_epoch(epoch)
+            produced = False
+            for item in self.dataset:
+                produced = True
+                yield item
+            if not produced:
+                raise ValueError("the training dataset yields nothing (in this DataLoader worker): give it more data "
+                                 "or lower dataloader_num_workers")
+            epoch += 1
+
+
+def _is_hf_map_dataset(dataset: Any) -> bool:
+    """A ``datasets.Dataset`` (whose unused columns the Trainer drops from the dataset, not in the collator)."""
+    if not is_datasets_available():
+        return False
+    import datasets
+
+    return isinstance(dataset, datasets.Dataset)
+
+
+def _set_loader_epoch(loader: DataLoader, epoch: int) -> None:
+    # What accelerate's DataLoaderShard.set_epoch does: reach the sampler (DistributedSampler shuffle) and
+    # the dataset (PackedDataset row shuffle).
+    for part in (loader.sampler, loader.dataset):
+        if hasattr(part, "set_epoch"):
+            part.set_epoch(epoch)
+
+
+class CPTrainer(Trainer):
+    """``transformers.Trainer`` for block-diagonal context parallelism on a (dp, cp) mesh.
+
+    Takes every ``Trainer`` argument plus ``mesh``: the :func:`~hf_blockdiag_cp.init_device_mesh` mesh, or
+    ``None`` (no CP: the stock Trainer data path, with the set-up checks below). Use it with a
+    :class:`~hf_blockdiag_cp.PackingCollator` built with ``group=mesh["cp"]`` and a model loaded with
+    ``attn_implementation="blockdiag_cp"``; feed :class:`~hf_blockdiag_cp.PackedDataset` rows with
+    ``per_device_train_batch_size=1``. Launch one process per device (``accelerate launch``/``torchrun``).
+
+    Raises ``ValueError`` at construction for set-ups whose loss or attention would be silently wrong
+    under CP (each message names the argument to change); see docs/trainer.md.
+    """
+
+    def __init__(self, *args: Any, mesh: DeviceMesh | None = None, **kwargs: Any) -> None:
+        self.mesh = mesh
+        super().__init__(*args, **kwargs)
+        coords = cp_coordinates(mesh)  # also rejects a mesh that is not ("dp", "cp")
+        if mesh is not None and mesh.size() != self.args.world_size:
+            raise ValueError(f"mesh has {mesh.size()} ranks but the Trainer runs {self.args.world_size} processes; "
+                             "build the mesh with hf_blockdiag_cp.init_device_mesh after creating TrainingArguments")
+        check_collator(self.data_collator, mesh)
+        if getattr(self.data_collator, "label_pad_id", -100) != -100:
+            raise ValueError(f"the collator's label_pad_id={self.data_collator.label_pad_id} but the Trainer counts "
+                             "targets as shift_labels != -100 (and the HF loss ignores -100): use label_pad_id=-100")
+        if mesh is not None and self.args.train_sampling_strategy not in ("random", "sequential"):
+            raise ValueError(f"train_sampling_strategy={self.args.train_sampling_strategy!r} is not supported on a "
+                             "mesh (batches are sampled per data-parallel group): use 'random' or 'sequential'")
+        if coords["cp_size"] > 1:
+            self._check_cp_arguments()
+        guard_model(self.model)
+
+    def _check_cp_arguments(self) -> None:
+        """Settings under which the Trainer's loss or the attention would be silently wrong under CP."""
+        args = self.args
+        implementation = getattr(getattr(self.model, "config", None), "_attn_implementation", None)
+        if implementation != ATTN_IMPLEMENTATION:
+            raise ValueError(f"the model's attn_implementation is {implementation!r}: under CP its attention would "
+                             f"only see each rank's shard; load it with attn_implementation={ATTN_IMPLEMENTATION!r} "
+                             f"or call model.set_attn_implementation({ATTN_IMPLEMENTATION!r})")
+        if not args.average_tokens_across_devices:
+            raise ValueError("average_tokens_across_devices=False: under CP each rank would divide its shard's loss "
+                             "by its own target count; set average_tokens_across_devices=True (the default) for the "
+                             "exact token mean")
+        if not self.model_accepts_loss_kwargs:
+            raise ValueError(f"{type(self.model).__name__} does not accept loss kwargs (accepts_loss_kwargs=False): "
+                             "the Trainer cannot pass the global num_items_in_batch, so the CP loss would be off by "
+                             "the CP size; use a model whose forward takes **kwargs")
+        if self.compute_loss_func is not None or self.label_smoother is not None:
+            name = "compute_loss_func" if self.compute_loss_func is not None else "label_smoothing_factor"
+            raise ValueError(f"{name} is not supported under CP: it gets the rank-local, unshifted labels and "
+                             "would shift them inside each shard (losing the target at every rank boundary); use "
+                             "the model's own loss (it reads the collator's shift_labels)")
+        if self.compute_metrics is not None or self.preprocess_logits_for_metrics is not None:
+            raise ValueError("compute_metrics / preprocess_logits_for_metrics are not supported under CP: every rank "
+                             "holds 1/cp_size of each row's logits; evaluate the loss only (eval_loss is exact)")
+        if args.parallelism_config is not None:
+            raise ValueError("parallelism_config (accelerate's own TP/CP/SP) cannot be combined with "
+                             "hf_blockdiag_cp's mesh: leave it None")
+
+    # ---- overrides ------------------------------------------------------------------------------------
+
+    def _get_dataloader(self, dataset: Dataset, description: str, batch_size: int,
+                        sampler_fn: Callable | None = None, is_training: bool = False,
+                        dataloader_key: str | None = None) -> DataLoader:
+        """Every loader (train, eval, test) sharded over ``dp`` only and not passed through accelerate.
+
+        Overridden because the stock builder (``Trainer._get_dataloader``) ends in ``accelerator.prepare``,
+        which shards/dispatches over all processes. Device placement still happens in ``_prepare_inputs``.
+        """
+        if self.mesh is None:
+            return super()._get_dataloader(dataset, description, batch_size, sampler_fn, is_training,
+                                           dataloader_key)
+        args, coords = self.args, cp_coordinates(self.mesh)
+        if coords["cp_size"] > 1 and batch_size != 1 and isinstance(dataset, PackedDataset):
+            name = "per_device_train_batch_size" if is_training else "per_device_eval_batch_size"
+            raise ValueError(f"{name}={batch_size}: under CP a micro-batch is one PackedDataset row (the context "
+                             f"and exchange are planned per row); set {name}=1 and use gradient_accumulation_steps")
+        collator = self.data_collator
+        if _is_hf_map_dataset(dataset):
+            dataset = self._remove_unused_columns(dataset, description=description)
+        else:
+            collator = self._get_collator_with_removed_columns(collator, description=description)
+        iterable = isinstance(dataset, IterableDataset)
+        if iterable and is_training:
+            dataset = EndlessPasses(dataset)
+        elif iterable and coords["dp_size"] > 1:
+            # Evaluation gathers over all processes every step, so every DP group needs the same number of
+            # batches: a finite list gets DistributedSampler's padding to equal length.
+            dataset = list(dataset)
+        loader = dp_dataloader(
+            dataset, self.mesh, collate_fn=collator, batch_size=batch_size,
+            shuffle=is_training and not iterable and args.train_sampling_strategy == "random",
+            seed=args.data_seed if args.data_seed is not None else args.seed, drop_last=args.dataloader_drop_last,
+            num_workers=args.dataloader_num_workers, pin_memory=args.dataloader_pin_memory,
+            persistent_workers=args.dataloader_persistent_workers,
+            multiprocessing_context=args.dataloader_multiprocessing_context,
+            prefetch_factor=args.dataloader_prefetch_factor, in_order=args.dataloader_in_order)
+        # The Trainer calls set_epoch on the loader (accelerate's loaders forward it); a plain DataLoader has none.
+        loader.set_epoch = functools.partial(_set_loader_epoch, loader)
+        if dataloader_key is not None and args.dataloader_persistent_workers:  # as the stock builder caches
+            if not hasattr(self, "_eval_dataloaders"):
+                self._eval_dataloaders = {}
+            self._eval_dataloaders[dataloader_key] = loader
+        return loader
+
+    def _prepare_inputs(self, inputs: dict[str, torch.Tensor | Any]) -> dict[str, torch.Tensor | Any]:
+        """Attach the mesh's CP group to contexts built without one (a collator made with ``cp_rank``/``cp_size``
+        and no ``group``, e.g. for DataLoader workers), then the stock device placement."""
+        ctx = inputs.get("cp_context") if isinstance(inputs, Mapping) else None
+        if (self.mesh is not None and isinstance(ctx, BlockDiagCPContext) and ctx.cp_size > 1
+                and ctx.group is None):
+            inputs = {**inputs, "cp_context": dataclasses.replace(ctx, group=self.mesh["cp"].get_group(), state={})}
+        return super()._prepare_inputs(inputs)
+
+    def train(self, *args: Any, **kwargs: Any) -> Any:
+        """Undo what an ``evaluate()`` before ``train()`` leaves behind (a bug of the stock Trainer too).
+
+        ``evaluation_loop`` prepares the bare model with ``accelerator.prepare_model(evaluation_mode=True)``,
+        which wraps nothing but marks it ``_is_accelerate_prepared``; ``train()`` then gets it back unwrapped:
+        no DDP, so no gradient all-reduce, and under CP each rank would step on its own shard's gradient.
+        """
+        model = self.model
+        if self.args.world_size > 1 and self.model_wrapped is model and getattr(model, "_is_accelerate_prepared",
+                                                                                False):
+            del model._is_accelerate_prepared
+            if model in self.accelerator._models:
+                self.accelerator._models.remove(model)
+        return super().train(*args, **kwargs)
+
+    def get_total_train_batch_size(self, args: Any) -> int:
+        """Rows per optimizer step: the ranks of a CP group share their rows, so only ``dp`` multiplies
+        (the stock count divides by accelerate's CP size, which is 1 here). Used for logs and speed metrics."""
+        if self.mesh is None:
+            return super().get_total_train_batch_size(args)
+        return self._train_batch_size * args.gradient_accumulation_steps * cp_coordinates(self.mesh)["dp_size"]
+
+    def call_model_init(self, trial: Any = None) -> torch.nn.Module:
+        """Models built by ``model_init`` get the same fail-fast guard as the one given to ``__init__``."""
+        return guard_model(super().call_model_init(trial))
