@@ -15,6 +15,11 @@ into few SDPA calls:
 - segments a sliding window cuts are computed in query chunks with a small boolean mask over the
   chunk's key span, so no ``O(L * S)`` tensor ever exists.
 
+On a CPU without native bf16/fp16 instructions (no AMX, no AVX512-BF16/FP16) half-precision inputs
+are computed in float32 and the result rounded once: there the CPU flash kernels convert internally
+anyway, and their half-precision backward measured 6x slower than float32 (the result is also more
+accurate, never less).
+
 The packed q/k/v are split into per-segment views once (``Tensor.split``): their backward is one
 concatenation, where a slice per segment would make autograd zero-fill a full-size gradient buffer
 per segment and tensor (``O(segments * Tq)`` memory traffic, 14% of a 16K fwd+bwd with 12 documents).
@@ -22,6 +27,7 @@ per segment and tensor (``O(segments * Tq)`` memory traffic, 14% of a 16K fwd+bw
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -187,8 +193,22 @@ def _masked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int | Non
     return outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
 
 
+@functools.lru_cache(maxsize=None)
+def _cpu_has_native(dtype: torch.dtype) -> bool:
+    """Whether this CPU runs ``dtype`` attention natively (AMX / AVX512 half-precision instructions)."""
+    probes = {torch.bfloat16: ("_is_amx_tile_supported", "_is_avx512_bf16_supported"),
+              torch.float16: ("_is_amx_fp16_supported",)}.get(dtype, ())
+    return any(getattr(torch.cpu, name, lambda: False)() for name in probes)
+
+
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, call: KernelCall) -> torch.Tensor:
     """Packed ``q [Tq,Hq,D]``, ``k [Tk,Hkv,D]``, ``v [Tk,Hkv,Dv]`` -> ``[Tq,Hq,Dv]`` (see kernels.base)."""
+    if q.device.type == "cpu" and q.dtype in (torch.bfloat16, torch.float16) and not _cpu_has_native(q.dtype):
+        return _attention(q.float(), k.float(), v.float(), call).to(q.dtype)
+    return _attention(q, k, v, call)
+
+
+def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, call: KernelCall) -> torch.Tensor:
     plan = call.plan
     sched = schedule(plan, call.window)
     gqa = q.shape[1] != k.shape[1]
