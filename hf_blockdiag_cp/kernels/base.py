@@ -63,6 +63,15 @@ class KernelCall:
         return (-1, 0) if self.window is None else (self.window - 1, 0)
 
 
+def cuda_half_reason(spec: KernelSpec, library: str) -> str | None:
+    """Why a CUDA-only, fp16/bf16-only kernel from ``library`` cannot run ``spec`` (``None`` if it can)."""
+    if spec.device_type != "cuda":
+        return f"{library} runs on CUDA only, not {spec.device_type}"
+    if spec.dtype not in (torch.float16, torch.bfloat16):
+        return f"{library} needs float16/bfloat16, got {spec.dtype}"
+    return None
+
+
 def token_coordinates(plan: VarlenPlan) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Per packed row: ``(q_seg [Tq], q_pos [Tq], k_seg [Tk], k_pos [Tk])`` on the plan's device.
 

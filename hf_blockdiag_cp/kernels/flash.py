@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from ._imports import optional_import
-from .base import KernelCall, KernelSpec
+from .base import KernelCall, KernelSpec, cuda_half_reason
 
 NAME = "flash"
 MODULE = "flash_attn"
@@ -24,10 +24,9 @@ def unavailable_reason(spec: KernelSpec) -> str | None:
     module, reason = optional_import(MODULE)
     if module is None:
         return reason
-    if spec.device_type != "cuda":
-        return f"flash-attn runs on CUDA only, not {spec.device_type}"
-    if spec.dtype not in (torch.float16, torch.bfloat16):
-        return f"flash-attn needs float16/bfloat16, got {spec.dtype}"
+    reason = cuda_half_reason(spec, "flash-attn")
+    if reason:
+        return reason
     if spec.head_dim > 256 or spec.head_dim != spec.value_dim:
         return f"flash-attn needs head_dim == value_dim <= 256, got {spec.head_dim}/{spec.value_dim}"
     return None

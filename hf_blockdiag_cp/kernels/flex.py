@@ -58,13 +58,15 @@ def _block_mask(call: KernelCall):
     return mask
 
 
-def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, call: KernelCall) -> torch.Tensor:
-    score_mod = None
-    if call.softcap is not None:
-        cap = float(call.softcap)
+def _softcap_mod(cap: float):
+    def score_mod(score, b, h, q_idx, kv_idx):
+        return cap * torch.tanh(score / cap)
 
-        def score_mod(score, b, h, q_idx, kv_idx):
-            return cap * torch.tanh(score / cap)
+    return score_mod
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, call: KernelCall) -> torch.Tensor:
+    score_mod = None if call.softcap is None else _softcap_mod(float(call.softcap))
 
     out = _flex_fn(q.device.type)(q.transpose(0, 1).unsqueeze(0), k.transpose(0, 1).unsqueeze(0),
                                   v.transpose(0, 1).unsqueeze(0), score_mod=score_mod, block_mask=_block_mask(call),

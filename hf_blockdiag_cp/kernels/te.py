@@ -12,7 +12,7 @@ import functools
 import torch
 
 from ._imports import optional_import
-from .base import KernelCall, KernelSpec
+from .base import KernelCall, KernelSpec, cuda_half_reason
 
 NAME = "te"
 MODULE = "transformer_engine.pytorch"
@@ -22,10 +22,9 @@ def unavailable_reason(spec: KernelSpec) -> str | None:
     module, reason = optional_import(MODULE)
     if module is None:
         return reason
-    if spec.device_type != "cuda":
-        return f"TransformerEngine runs on CUDA only, not {spec.device_type}"
-    if spec.dtype not in (torch.float16, torch.bfloat16):
-        return f"TransformerEngine fused attention needs float16/bfloat16, got {spec.dtype}"
+    reason = cuda_half_reason(spec, "TransformerEngine fused attention")
+    if reason:
+        return reason
     if spec.dropout_p > 0:
         return "the te backend does not apply attention dropout"
     if spec.softcap is not None:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from ._imports import optional_import
-from .base import KernelCall, KernelSpec
+from .base import KernelCall, KernelSpec, cuda_half_reason
 
 NAME = "torch_varlen"
 MODULE = "torch.nn.attention.varlen"
@@ -19,10 +19,9 @@ def unavailable_reason(spec: KernelSpec) -> str | None:
     module, reason = optional_import(MODULE)
     if module is None or not hasattr(module, "varlen_attn"):
         return reason or "torch.nn.attention.varlen.varlen_attn is missing in this torch"
-    if spec.device_type != "cuda":
-        return f"varlen_attn runs on CUDA only in this torch, not {spec.device_type}"
-    if spec.dtype not in (torch.float16, torch.bfloat16):
-        return f"varlen_attn needs float16/bfloat16, got {spec.dtype}"
+    reason = cuda_half_reason(spec, "varlen_attn (in this torch)")
+    if reason:
+        return reason
     if spec.dropout_p > 0:
         return "varlen_attn has no dropout"
     if spec.softcap is not None:
