@@ -117,8 +117,9 @@ class BlockDiagCPContext:
     def full_len(self) -> int:
         return self.doc_ids.shape[1]
 
-    def to(self, device: torch.device | str) -> BlockDiagCPContext:
-        """This context with its few small tensors on ``device``; the copy is made once and cached."""
+    def to(self, device: torch.device | str, non_blocking: bool = True) -> BlockDiagCPContext:
+        """This context with its few small tensors on ``device``; the copy is made once and cached
+        (``non_blocking`` is accepted for ``accelerate.utils.send_to_device``; copies never block)."""
         device = torch.device(device)
         if device.type == "cuda" and device.index is None:
             device = torch.device("cuda", torch.cuda.current_device())
