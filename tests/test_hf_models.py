@@ -86,7 +86,8 @@ def test_unpacked_padded_batch_matches_sdpa():
 
 
 @pytest.mark.parametrize("kind", ["llama", "qwen2", "mistral"])
-def test_generate_matches_sdpa(kind):
+@pytest.mark.parametrize("cache", ["dynamic", "static"])
+def test_generate_matches_sdpa(kind, cache):
     gen = torch.Generator().manual_seed(1)
     prompt = torch.randint(1, 97, (2, 7), generator=gen)
     mask = torch.ones_like(prompt)
@@ -95,7 +96,7 @@ def test_generate_matches_sdpa(kind):
     for impl in ("sdpa", "blockdiag_cp"):
         model = tiny_model(kind, attn_implementation=impl)
         outputs[impl] = model.generate(prompt, attention_mask=mask, max_new_tokens=10, do_sample=False,
-                                       pad_token_id=0)
+                                       pad_token_id=0, cache_implementation=cache)
     assert torch.equal(outputs["sdpa"], outputs["blockdiag_cp"])
 
 

@@ -47,7 +47,12 @@ class BlockDiagMask:
             forward, or ``None``.
         q_offset / kv_offset: absolute position of the first query / key (non-zero with a cache).
         q_length / kv_length: query / key lengths transformers sized the mask for.
+        source: the 2-D padding mask transformers passed in (``None`` if none).
         plans: per-forward plans derived from keyword arguments (owned here, reused by every layer).
+
+    ``generate()`` with a compilable (static) cache builds the mask once and feeds it back to the
+    model as ``attention_mask``; for that round trip the object presents itself as the 2-D padding
+    mask it came from (``ndim == 2``, ``.to()`` is a no-op) and :func:`blockdiag_cp_mask` unwraps it.
     """
 
     padding_mask: torch.Tensor | None
@@ -55,14 +60,26 @@ class BlockDiagMask:
     kv_offset: int
     q_length: int
     kv_length: int
+    source: torch.Tensor | None = None
     plans: dict[Any, VarlenPlan] = field(default_factory=dict, repr=False)
+
+    ndim = 2
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(self.source.shape) if self.source is not None else (0, self.kv_offset + self.kv_length)
+
+    def to(self, *args: Any, **kwargs: Any) -> BlockDiagMask:
+        return self
 
 
 def blockdiag_cp_mask(batch_size: int, q_length: int, kv_length: int, q_offset: int | torch.Tensor = 0,
                       kv_offset: int = 0, mask_function: Any = None, attention_mask: torch.Tensor | None = None,
                       **kwargs: Any) -> BlockDiagMask:
     """Mask hook registered with ``AttentionMaskInterface``: records the facts, builds no mask."""
-    padding = None
+    if isinstance(attention_mask, BlockDiagMask):  # our own mask fed back by generate()
+        attention_mask = attention_mask.source
+    padding, source = None, attention_mask
     if attention_mask is not None:
         if attention_mask.dim() != 2:
             raise ValueError(f"blockdiag_cp expects a 2-D padding attention_mask, got shape {tuple(attention_mask.shape)}")
@@ -72,7 +89,7 @@ def blockdiag_cp_mask(batch_size: int, q_length: int, kv_length: int, q_offset: 
             padding = torch.nn.functional.pad(padding, (0, end - padding.shape[-1]))
         padding = padding[:, kv_offset:end]
     q_offset = int(q_offset)  # a tensor only for static caches; once per forward, not per layer
-    return BlockDiagMask(padding, q_offset, int(kv_offset), int(q_length), int(kv_length))
+    return BlockDiagMask(padding, q_offset, int(kv_offset), int(q_length), int(kv_length), source)
 
 
 def _plan_from_kwargs(query: torch.Tensor, key: torch.Tensor, mask: BlockDiagMask | None, kwargs: dict[str, Any],
@@ -84,13 +101,13 @@ def _plan_from_kwargs(query: torch.Tensor, key: torch.Tensor, mask: BlockDiagMas
         return mask.plans[cache_key]
     cu_q, cu_k = kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k")
     position_ids = kwargs.get("position_ids")
-    padding = mask.padding_mask if mask is not None else None
-    row_offset = (mask.q_offset - mask.kv_offset) if mask is not None else key_len - local_len
-    if mask is not None and mask.kv_length != key_len:
-        row_offset = key_len - local_len  # a cache layer that keeps fewer keys: queries are the last rows
-        padding = padding[:, -key_len:] if padding is not None else None
-    if row_offset < 0 or row_offset + local_len > key_len:
-        row_offset = key_len - local_len
+    padding, row_offset = None, key_len - local_len  # by default the queries are the last rows (bottom-right)
+    if mask is not None:
+        padding = mask.padding_mask
+        if mask.kv_length == key_len and 0 <= mask.q_offset - mask.kv_offset <= key_len - local_len:
+            row_offset = mask.q_offset - mask.kv_offset  # static caches: keys past the queries are unused slots
+        elif padding is not None:
+            padding = padding[:, -key_len:]  # a cache layer keeping fewer keys than the mask was sized for
     if cu_q is not None or cu_k is not None:
         plan = _plan_from_cu_seqlens(cu_q, cu_k, kwargs, batch, local_len, key_len, config)
     else:
