@@ -6,7 +6,7 @@ Runs examples/train_packed_cp.py as real processes: CP = 1 as one process (all c
 the same total sequence length, and reads each run's --summary-json.
 
     python benchmarks/bench_train_scaling.py --seq-lens 8192 32768 --steps 4
-    python benchmarks/bench_train_scaling.py --max-memory-gib 20 --steps 2     # longest seq_len per CP size
+    python benchmarks/bench_train_scaling.py --max-memory-gib 20 --steps 1 -- --max-chars 4096  # longest seq_len
 """
 
 from __future__ import annotations
@@ -40,11 +40,11 @@ def run(cp_size: int, seq_len: int, steps: int, extra: list[str]) -> dict | None
         return json.loads(summary.read_text())
 
 
-def table(seq_lens: list[int], steps: int, extra: list[str]) -> None:
+def table(seq_lens: list[int], cp_sizes: list[int], steps: int, extra: list[str]) -> None:
     print("| seq_len | CP | processes | tokens/s | peak RSS per rank (GiB) | K/V exchanged per step per rank (MiB) |")
     print("|---:|---:|---:|---:|---|---|")
     for seq_len in seq_lens:
-        for cp in (1, 2):
+        for cp in cp_sizes:
             r = run(cp, seq_len, steps, extra)
             if r is None:
                 print(f"| {seq_len} | {cp} | {cp} | failed | | |")
@@ -54,27 +54,63 @@ def table(seq_lens: list[int], steps: int, extra: list[str]) -> None:
             print(f"| {seq_len} | {cp} | {r['world']} | {r['tokens_per_s']:,.0f} | {peaks} | {kv} |", flush=True)
 
 
-def longest(cp: int, budget_gib: float, steps: int, start: int, extra: list[str], scope: str) -> None:
-    """Doubling then bisection (to a multiple of 4096 * cp) on the largest seq_len whose peak RSS stays
-    within the budget, per rank (``scope="rank"``) or summed over the CP ranks (``"total"``)."""
-    def fits(seq_len: int) -> bool:
-        r = run(cp, seq_len, steps, extra)
-        peaks = r["peak_memory_gib_per_rank"] if r else [float("inf")]
-        peak = max(peaks) if scope == "rank" else sum(peaks)
-        print(f"  cp={cp} seq_len={seq_len}: peak RSS {', '.join(f'{g:.2f}' for g in peaks)} GiB -> "
-              f"{'fits' if peak <= budget_gib else 'does not fit'}", flush=True)
-        return peak <= budget_gib
+def machine_memory_gib() -> float:
+    """Physical memory of this machine (Linux), to never launch a run that would need more."""
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemTotal:"):
+                return int(line.split()[1]) / 2**20
+    return float("inf")
 
-    lo, hi = 0, start
-    while fits(hi):
-        lo, hi = hi, hi * 2
-    while hi - lo > 4096 * cp:
-        mid = (lo + hi) // 2 // (4096 * cp) * (4096 * cp)
-        if mid in (lo, hi):
-            break
-        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
-    print(f"| {cp} | {lo} | {budget_gib} GiB {'per rank' if scope == 'rank' else 'for all CP ranks together'} |",
-          flush=True)
+
+def longest(cp: int, budget_gib: float, steps: int, start: int, extra: list[str], scope: str) -> None:
+    """Largest seq_len (a multiple of 4096 * cp) whose peak RSS stays within the budget, per rank
+    (``scope="rank"``) or summed over the CP ranks (``"total"``).
+
+    Peak RSS grows linearly in seq_len here (no O(S^2) tensor anywhere), so two probes at ``start`` and
+    ``2 * start`` give the line; the predicted maximum is then run to confirm it, stepping down 4 % at a
+    time if it does not fit. A prediction whose processes would need more than this machine's memory
+    is reported as extrapolated, never launched (an OOM kill could take the machine's other work with it).
+    """
+    unit = 4096 * cp
+
+    def peak_of(seq_len: int) -> float | None:
+        r = run(cp, seq_len, steps, extra)
+        if r is None:
+            return None
+        peaks = r["peak_memory_gib_per_rank"]
+        peak = max(peaks) if scope == "rank" else sum(peaks)
+        print(f"  cp={cp} seq_len={seq_len}: peak RSS {', '.join(f'{g:.2f}' for g in peaks)} GiB", flush=True)
+        return peak
+
+    x0, x1 = start, 2 * start
+    y0, y1 = peak_of(x0), peak_of(x1)
+    if y0 is None or y1 is None:
+        print(f"| {cp} | probe failed | {budget_gib} GiB |", flush=True)
+        return
+    slope = (y1 - y0) / (x1 - x0)
+    guess = int(x1 + (budget_gib - y1) / slope) // unit * unit
+    scope_text = "per rank" if scope == "rank" else "for all CP ranks together"
+    need = budget_gib * (cp if scope == "rank" else 1)
+    if need > 0.9 * machine_memory_gib():
+        # Cannot run it here: extrapolate from the longest row this machine can hold (80 % of it over
+        # all ranks), which sits far closer to the budget than the small probes.
+        per_rank = 0.8 * machine_memory_gib() / (cp if scope == "rank" else 1)
+        far = int(x1 + (per_rank - y1) / slope) // unit * unit
+        y_far = peak_of(far) if far > x1 else None
+        if y_far is not None:
+            x1, y1, slope = far, y_far, (y_far - y1) / (far - x1)
+        guess = int(x1 + (budget_gib - y1) / slope) // unit * unit
+        print(f"| {cp} | ~{guess} (extrapolated from {x1} tokens at {y1:.2f} GiB, {slope * 2**30 / 1024:.1f} KiB "
+              f"per token; {cp} x {budget_gib} GiB exceeds this machine) | {budget_gib} GiB {scope_text} |", flush=True)
+        return
+    while guess > x1:
+        y = peak_of(guess)
+        if y is not None and y <= budget_gib:
+            print(f"| {cp} | {guess} (measured) | {budget_gib} GiB {scope_text} |", flush=True)
+            return
+        guess = int(guess * 0.96) // unit * unit
+    print(f"| {cp} | no length above {x1} fits | {budget_gib} GiB {scope_text} |", flush=True)
 
 
 def main() -> None:
@@ -82,17 +118,18 @@ def main() -> None:
     p.add_argument("--seq-lens", type=int, nargs="+", default=[8192, 32768])
     p.add_argument("--steps", type=int, default=4)
     p.add_argument("--max-memory-gib", type=float, default=None, help="find the longest seq_len within this budget")
-    p.add_argument("--start", type=int, default=65536, help="first seq_len of the search")
+    p.add_argument("--start", type=int, default=65536, help="first of the two probes of the search")
     p.add_argument("--scope", choices=["rank", "total"], default="rank",
                    help="budget per rank, or for the CP ranks together (when they share one machine's memory)")
+    p.add_argument("--cp-sizes", type=int, nargs="+", default=[1, 2], choices=[1, 2], help="CP sizes to run")
     p.add_argument("extra", nargs="*", help="more options for the example (after --)")
     args = p.parse_args()
     if args.max_memory_gib is None:
-        table(args.seq_lens, args.steps, args.extra)
+        table(args.seq_lens, args.cp_sizes, args.steps, args.extra)
         return
     print("| CP | longest seq_len that trained | budget |")
     print("|---:|---:|---|")
-    for cp in (1, 2):
+    for cp in args.cp_sizes:
         longest(cp, args.max_memory_gib, args.steps, args.start, args.extra, args.scope)
 
 
