@@ -64,3 +64,19 @@ def tiny_model(kind: str = "llama", attn_implementation: str = "sdpa", seed: int
     model = model_cls(config).eval()
     model.set_attn_implementation(attn_implementation)
     return model
+
+
+def per_document_sgd_step(docs: Sequence[torch.Tensor]) -> tuple[dict, dict, float]:
+    """One SGD step (lr 1) of one process on ``docs`` (1-D token tensors), each run alone through the
+    stock ``"sdpa"`` tiny Llama, loss = mean next-token loss over all documents.
+
+    Returns (parameters before, parameters after, loss).
+    """
+    model = tiny_model("llama", attn_implementation="sdpa")
+    count = sum(len(d) - 1 for d in docs)
+    loss = sum(torch.nn.functional.cross_entropy(model(d[None], use_cache=False).logits[0, :-1], d[1:],
+                                                 reduction="sum") for d in docs) / count
+    loss.backward()
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    torch.optim.SGD(model.parameters(), lr=1.0).step()
+    return before, {n: p.detach().clone() for n, p in model.named_parameters()}, loss.item()

@@ -23,19 +23,9 @@ def _documents():
 
 def _reference_step(dp_size: int):
     """Parameters after one SGD step of one process on the global batch, documents run alone."""
-    import torch
+    from tests.reference import per_document_sgd_step
 
-    from tests.reference import tiny_model
-
-    model = tiny_model("llama", attn_implementation="sdpa")
-    docs = [d for row in _documents()[:dp_size] for d in row]
-    count = sum(len(d) - 1 for d in docs)
-    loss = sum(torch.nn.functional.cross_entropy(model(d[None], use_cache=False).logits[0, :-1], d[1:],
-                                                 reduction="sum") for d in docs) / count
-    loss.backward()
-    before = {n: p.detach().clone() for n, p in model.named_parameters()}
-    torch.optim.SGD(model.parameters(), lr=1.0).step()
-    return before, {n: p.detach().clone() for n, p in model.named_parameters()}, loss.item()
+    return per_document_sgd_step([d for row in _documents()[:dp_size] for d in row])
 
 
 def _parallel_worker(rank: int, world: int, cp_size: int) -> dict:

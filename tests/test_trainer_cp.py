@@ -46,19 +46,9 @@ def _documents() -> list:
 
 def _reference_step() -> tuple[dict, dict, float]:
     """One SGD step (lr 1) of one process on all documents, each run alone through stock sdpa."""
-    import torch
+    from tests.reference import per_document_sgd_step
 
-    from tests.reference import tiny_model
-
-    model = tiny_model("llama", attn_implementation="sdpa")
-    docs = _documents()
-    count = sum(len(d) - 1 for d in docs)
-    loss = sum(torch.nn.functional.cross_entropy(model(d[None], use_cache=False).logits[0, :-1], d[1:],
-                                                 reduction="sum") for d in docs) / count
-    loss.backward()
-    before = {n: p.detach().clone() for n, p in model.named_parameters()}
-    torch.optim.SGD(model.parameters(), lr=1.0).step()
-    return before, {n: p.detach().clone() for n, p in model.named_parameters()}, loss.item()
+    return per_document_sgd_step(_documents())
 
 
 def _reference_eval_loss() -> float:
