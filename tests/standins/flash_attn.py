@@ -19,10 +19,12 @@ test comes from :func:`make_module`.
 from __future__ import annotations
 
 import types
+from typing import NoReturn
 from dataclasses import dataclass
 
 import torch
 
+from ._contract import check_cu_seqlens
 from ._math import segment_attention
 
 HALF_DTYPES = (torch.float16, torch.bfloat16)
@@ -56,7 +58,7 @@ class FlashCall:
     return_attn_probs: bool
 
 
-def _fail(msg: str) -> None:
+def _fail(msg: str) -> NoReturn:
     raise ContractError(f"flash_attn stand-in: {msg}")
 
 
@@ -108,27 +110,6 @@ def _check_options(dropout_p, softmax_scale, causal, window_size, softcap, alibi
     return int(window_size[0]), int(window_size[1])
 
 
-def _check_cu_seqlens(name: str, cu: object, total: int, device: torch.device) -> tuple[int, ...]:
-    if not isinstance(cu, torch.Tensor):
-        _fail(f"{name} must be a torch.Tensor, got {type(cu).__name__}")
-    if cu.dtype != torch.int32:
-        _fail(f"{name} must be int32, got {cu.dtype}")
-    if cu.dim() != 1 or cu.numel() < 1:
-        _fail(f"{name} must be 1-D with >= 1 entry, got shape {tuple(cu.shape)}")
-    if cu.device != device:
-        _fail(f"{name} lives on {cu.device}, q on {device}")
-    if not cu.is_contiguous():
-        _fail(f"{name} must be contiguous")
-    host = tuple(int(x) for x in cu.tolist())  # a stand-in may sync; the real kernel reads it on device
-    if host[0] != 0:
-        _fail(f"{name}[0]={host[0]} must be 0")
-    if any(b < a for a, b in zip(host, host[1:])):
-        _fail(f"{name} must be non-decreasing: {list(host)}")
-    if host[-1] != total:
-        _fail(f"{name}[-1]={host[-1]} must equal the number of packed rows {total}")
-    return host
-
-
 def _check_max(name: str, value: object, cu: tuple[int, ...]) -> int:
     if not isinstance(value, int) or isinstance(value, bool):
         _fail(f"{name} must be a Python int, got {type(value).__name__}")
@@ -159,8 +140,8 @@ def make_module(allowed_dtypes: tuple[torch.dtype, ...] = STANDIN_DTYPES) -> typ
                                 deterministic, return_attn_probs)
         if block_table is not None:
             raise NotImplementedError("flash_attn stand-in: paged KV (block_table) is not implemented")
-        cu_q = _check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, q.shape[0], q.device)
-        cu_k = _check_cu_seqlens("cu_seqlens_k", cu_seqlens_k, k.shape[0], q.device)
+        cu_q = check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, q.shape[0], q.device, _fail)
+        cu_k = check_cu_seqlens("cu_seqlens_k", cu_seqlens_k, k.shape[0], q.device, _fail)
         if len(cu_q) != len(cu_k):
             _fail(f"cu_seqlens_q has {len(cu_q)} entries, cu_seqlens_k {len(cu_k)}")
         _check_max("max_seqlen_q", max_seqlen_q, cu_q)

@@ -20,10 +20,11 @@ from __future__ import annotations
 
 import types
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 
+from ._contract import check_cu_seqlens
 from ._math import segment_attention
 from .flash_attn import STANDIN_DTYPES
 
@@ -34,7 +35,7 @@ class ContractError(RuntimeError):
     """An argument TransformerEngine would reject (or trust) is wrong."""
 
 
-def _fail(msg: str) -> None:
+def _fail(msg: str) -> NoReturn:
     raise ContractError(f"transformer_engine stand-in: {msg}")
 
 
@@ -66,18 +67,6 @@ class TECall:
     attn_mask_type: str
     window_size: tuple[int, int]
     softmax_scale: float
-
-
-def _cu(name: str, cu: object, total: int, device: torch.device) -> tuple[int, ...]:
-    if not isinstance(cu, torch.Tensor) or cu.dtype != torch.int32 or cu.dim() != 1 or cu.numel() < 1:
-        _fail(f"{name} must be a 1-D int32 tensor, got {getattr(cu, 'dtype', type(cu).__name__)} "
-              f"{tuple(getattr(cu, 'shape', ()))}")
-    if cu.device != device:
-        _fail(f"{name} lives on {cu.device}, query on {device}")
-    host = tuple(int(x) for x in cu.tolist())
-    if host[0] != 0 or any(b < a for a, b in zip(host, host[1:])) or host[-1] != total:
-        _fail(f"{name}={list(host)} must start at 0, not decrease and end at {total} packed tokens")
-    return host
 
 
 def _window(mask_type: str, window_size: object) -> tuple[int, int]:
@@ -178,8 +167,8 @@ def make_modules(allowed_dtypes: tuple[torch.dtype, ...] = STANDIN_DTYPES) -> tu
                 _fail(f"head dims {q.shape[2]}/{k.shape[2]}/{v.shape[2]} != kv_channels={self.kv_channels}")
             if k.shape[0] != v.shape[0]:
                 _fail(f"key has {k.shape[0]} tokens, value {v.shape[0]}")
-            cu_q = _cu("cu_seqlens_q", cu_seqlens_q, q.shape[0], q.device)
-            cu_k = _cu("cu_seqlens_kv", cu_seqlens_kv, k.shape[0], q.device)
+            cu_q = check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, q.shape[0], q.device, _fail)
+            cu_k = check_cu_seqlens("cu_seqlens_kv", cu_seqlens_kv, k.shape[0], q.device, _fail)
             if len(cu_q) != len(cu_k):
                 _fail(f"cu_seqlens_q has {len(cu_q)} entries, cu_seqlens_kv {len(cu_k)}")
             for name, value, cu in (("max_seqlen_q", max_seqlen_q, cu_q), ("max_seqlen_kv", max_seqlen_kv, cu_k)):
