@@ -27,7 +27,7 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from hf_blockdiag_cp import BlockDiagCPConfig  # noqa: E402
-from hf_blockdiag_cp.distributed.plan import plan_exchange  # noqa: E402
+from hf_blockdiag_cp.planning.exchange import plan_exchange  # noqa: E402
 
 
 def lognormal_row(full_len: int, mean: float, sigma: float, gen: torch.Generator) -> torch.Tensor:
@@ -77,7 +77,7 @@ def _timing_worker(rank: int, world: int, port: int, full_len: int, iters: int, 
     import torch.distributed as dist
 
     from hf_blockdiag_cp import BlockDiagCPContext
-    from hf_blockdiag_cp.distributed.runtime import _rank_exchange, cp_attention
+    from hf_blockdiag_cp.attention.cp import _rank_exchange, cp_attention
     from hf_blockdiag_cp.distributed.exchange import exchange_kv
 
     torch.set_num_threads(1)

@@ -32,7 +32,7 @@ from common import (  # noqa: E402
     peak_memory_bytes,
     report,
 )
-from hf_blockdiag_cp.distributed.runtime import comm_stats  # noqa: E402
+from hf_blockdiag_cp.attention.cp import comm_stats  # noqa: E402
 
 logger = logging.getLogger("train_packed_cp")
 

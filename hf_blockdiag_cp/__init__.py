@@ -7,13 +7,17 @@ with transformers; see the README for the data flow::
     -> K/V exchange (CP ranks) -> kernel backend (flash / te / torch_varlen / flex / sdpa_doc / sdpa_mask)
 """
 
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from . import training
 from .attention import ATTN_IMPLEMENTATION, BlockDiagMask, blockdiag_attention, blockdiag_cp_attention, register
 from .config import BACKENDS, KV_EXCHANGES, BlockDiagCPConfig
 from .context import BlockDiagCPContext
 from .data import PackedDataset, PackedRow, PackingCollator, from_flattened
 from .planning import PlanError, VarlenPlan, build_varlen_plan
 from .training import (
-    CPTrainer,
     check_collator,
     cp_coordinates,
     dp_dataloader,
@@ -22,6 +26,9 @@ from .training import (
     normalize_num_items,
     reduce_loss_for_logging,
 )
+
+if TYPE_CHECKING:
+    from .training import CPTrainer
 
 __version__ = "0.1.0"
 
@@ -53,3 +60,10 @@ __all__ = [
 ]
 
 register()
+
+
+def __getattr__(name: str) -> Any:
+    # CPTrainer (and whatever else training/ loads lazily) is imported on first use only.
+    if name in training._LAZY:
+        return getattr(training, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

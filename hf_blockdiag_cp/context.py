@@ -2,8 +2,9 @@
 
 The collator builds one :class:`BlockDiagCPContext` per rank and step; ``model(**batch)`` carries it
 as the ``cp_context`` keyword to every attention layer (also through gradient-checkpoint recompute
-and the HF ``Trainer``). Layers only read it: its device copy and the per-step rank agreement are
-cached inside it (its ``state``), so the first layer pays for them and every later layer reuses them.
+and the HF ``Trainer``). Layers only read it: its device copy, the per-step rank agreement and the
+rank's exchange tables are cached inside it (its :class:`StepState`), so the first layer pays for
+them and every later layer reuses them.
 """
 
 from __future__ import annotations
@@ -15,11 +16,33 @@ from typing import Any
 import torch
 
 from .config import BlockDiagCPConfig
+from .distributed.exchange import CommStats, RankExchange
 from .distributed.groups import group_to_ref, ref_to_group
+from .kernels.base import KernelSpec
 from .planning import PlanError, VarlenPlan, as_doc_ids, build_varlen_plan
+from .planning.exchange import ExchangePlan, plan_exchange
 from .planning.fingerprint import fingerprint
 
-__all__ = ["BlockDiagCPContext"]
+__all__ = ["BlockDiagCPContext", "StepState"]
+
+
+@dataclass(eq=False)
+class StepState:
+    """What the layers of one step derive from its context once and then reuse (not data).
+
+    Attributes:
+        moved: the context's copy per device (:meth:`BlockDiagCPContext.to`).
+        agreed_backends: backends every CP rank can run (the step's rank agreement), once known.
+        backends: the backend chosen per kernel spec in this step.
+        exchanges: this rank's device-ready exchange per device (``None``: nothing moves).
+        comm: bytes moved by this step's K/V exchanges.
+    """
+
+    moved: dict[torch.device, BlockDiagCPContext] = field(default_factory=dict)
+    agreed_backends: frozenset[str] | None = None
+    backends: dict[KernelSpec, str] = field(default_factory=dict)
+    exchanges: dict[torch.device, RankExchange | None] = field(default_factory=dict)
+    comm: CommStats = field(default_factory=CommStats)
 
 
 @dataclass(frozen=True, eq=False)
@@ -34,11 +57,12 @@ class BlockDiagCPContext:
         local_len: ``L = S / cp_size`` local rows per batch row.
         local_index: ``[L]`` int64 global position of every local row.
         plan: this rank's :class:`~hf_blockdiag_cp.planning.VarlenPlan` (CPU; see :meth:`to`).
-        exchange: the K/V exchange plan for ``cp_size > 1`` (``None`` on one rank).
+        exchange: the K/V :class:`~hf_blockdiag_cp.planning.exchange.ExchangePlan` for
+            ``cp_size > 1`` (``None`` on one rank).
         data_fingerprint: hash of the step's rows (document ids, and token ids when the collator
             gives them); CP ranks compare it before their first exchange.
         config: the :class:`~hf_blockdiag_cp.config.BlockDiagCPConfig` of this step.
-        state: per-step cache owned by this context (device copies, rank agreement); not data.
+        state: the :class:`StepState` owned by this context (shared by its device copies).
     """
 
     doc_ids: torch.Tensor
@@ -49,10 +73,10 @@ class BlockDiagCPContext:
     local_len: int
     local_index: torch.Tensor
     plan: VarlenPlan
-    exchange: Any = None
+    exchange: ExchangePlan | None = None
     data_fingerprint: int = 0
     config: BlockDiagCPConfig = field(default_factory=BlockDiagCPConfig)
-    state: dict[Any, Any] = field(default_factory=dict, repr=False, compare=False)
+    state: StepState = field(default_factory=StepState, repr=False, compare=False)
 
     @classmethod
     def build(cls, doc_ids: torch.Tensor, *, cp_rank: int = 0, cp_size: int = 1, group: Any = None,
@@ -78,11 +102,8 @@ class BlockDiagCPContext:
             raise ValueError(f"the row length S={full_len} is not divisible by cp_size={cp_size}")
         local_len = full_len // cp_size
         row_offset = cp_rank * local_len
-        exchange = None
-        kv_ranges = None if cp_size == 1 else ((row_offset, row_offset + local_len),)
-        if cp_size > 1:
-            from .distributed.plan import plan_exchange  # the exchange decides the K/V buffer layout
-
+        exchange, kv_ranges = None, None
+        if cp_size > 1:  # the exchange decides the K/V buffer layout
             exchange = plan_exchange(ids, cp_size=cp_size, config=config)
             kv_ranges = exchange.kv_ranges[cp_rank]
         plan = build_varlen_plan(ids, local_len=local_len, row_offset=row_offset, kv_ranges=kv_ranges,
@@ -101,7 +122,7 @@ class BlockDiagCPContext:
         # per-step cache (device copies, agreement) which belongs to the process that filled it.
         state = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
         state["group"] = group_to_ref(self.group)
-        state["state"] = {}
+        state["state"] = StepState()
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -125,11 +146,9 @@ class BlockDiagCPContext:
             device = torch.device("cuda", torch.cuda.current_device())
         if self.plan.device == device:
             return self
-        key = ("to", device)
-        moved = self.state.get(key)
+        moved = self.state.moved.get(device)
         if moved is None:
-            moved = dataclasses.replace(self, plan=self.plan.to(device), state=self.state)
-            self.state[key] = moved
+            moved = self.state.moved[device] = dataclasses.replace(self, plan=self.plan.to(device), state=self.state)
         return moved
 
     def check_local(self, batch_size: int, local_len: int) -> None:

@@ -36,7 +36,7 @@ def _exchange_worker(rank: int, world: int, local_len: int) -> dict:
     import torch.distributed as dist
 
     from hf_blockdiag_cp import BlockDiagCPConfig, BlockDiagCPContext, blockdiag_attention
-    from hf_blockdiag_cp.distributed.runtime import comm_stats, cp_attention
+    from hf_blockdiag_cp.attention.cp import comm_stats, cp_attention
 
     group = dist.group.WORLD
     results = {}

@@ -44,7 +44,7 @@ def _model_worker(rank: int, world: int) -> dict:
     import torch.distributed as dist
 
     from hf_blockdiag_cp import BlockDiagCPConfig, BlockDiagCPContext
-    from hf_blockdiag_cp.distributed.runtime import step_backends
+    from hf_blockdiag_cp.attention.cp import step_backends
     from tests.reference import tiny_model
 
     docs, ids, doc_ids, position_ids, labels = _row(world)

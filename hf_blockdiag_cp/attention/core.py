@@ -15,7 +15,7 @@ from ..config import BlockDiagCPConfig
 from ..kernels import KernelCall, KernelSpec, available_backends, choose_backend, get_backend
 from ..planning import PlanError, VarlenPlan, as_doc_ids, build_varlen_plan
 
-__all__ = ["attend_flat", "blockdiag_attention", "check_qkv", "flat_rows", "kernel_spec"]
+__all__ = ["attend_flat", "blockdiag_attention", "check_qkv", "flat_rows", "kernel_spec", "resolve_backend"]
 
 
 def check_qkv(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> None:
@@ -59,6 +59,30 @@ def kernel_spec(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *, 
         softcap=softcap,
         requires_grad=torch.is_grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad),
     )
+
+
+def resolve_backend(config: BlockDiagCPConfig, spec: KernelSpec, *, agreed: frozenset[str] | None = None,
+                    backend: str | None = None, where: str = "") -> str:
+    """The backend for ``spec``: the one rule of the public function, the HF entry point and the CP path.
+
+    Args:
+        config: ``config.backend`` is the request (environment-overridable) unless ``backend`` is given;
+            ``config.disabled_backends`` are never used.
+        spec: what the call needs.
+        agreed: backends every CP rank can run (the step's rank agreement); ``None`` on one process.
+        backend: an explicit request overriding ``config.backend``.
+        where: appended to the fallback warning (e.g. that it happened on every CP rank).
+
+    An explicitly requested backend that cannot run falls back to the ``"auto"`` choice with a
+    warning; no backend able to compute the call exactly raises ``BackendUnavailable``.
+    """
+    available = available_backends(spec, config.disabled_backends)
+    if agreed is not None:
+        available = available & agreed
+    name, note = choose_backend(config.backend if backend is None else backend, spec, available)
+    if note:
+        warnings.warn(f"{note}{where}", stacklevel=3)
+    return name
 
 
 def attend_flat(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: VarlenPlan, backend: str, *,
@@ -112,7 +136,7 @@ def flat_rows(x: torch.Tensor) -> torch.Tensor:
 
 def blockdiag_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                         doc_ids: torch.Tensor | Sequence[int], row_offset: int = 0, *, scale: float | None = None,
-                        sliding_window: int | None = None, dropout_p: float = 0.0, backend: str = "auto",
+                        sliding_window: int | None = None, dropout_p: float = 0.0, backend: str | None = None,
                         config: BlockDiagCPConfig | None = None) -> torch.Tensor:
     """Per-document causal attention of local query rows over a packed row.
 
@@ -126,8 +150,10 @@ def blockdiag_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Ten
         scale: softmax scale (default ``D ** -0.5``).
         sliding_window: if given, a query sees only the last ``sliding_window`` keys (itself included).
         dropout_p: attention dropout probability.
-        backend: a name from :data:`~hf_blockdiag_cp.config.BACKENDS`.
-        config: further options (``deterministic``, ``validate``, ...).
+        backend: a name from :data:`~hf_blockdiag_cp.config.BACKENDS`; default ``config.backend``
+            (``HF_BLOCKDIAG_CP_BACKEND``, else ``"auto"``).
+        config: further options (``backend``, ``deterministic``, ``validate``, ...); default
+            ``BlockDiagCPConfig()``.
 
     Returns:
         ``[B, Hq, L, Dv]``: a query attends to a key iff same document and key position <= query
@@ -150,9 +176,7 @@ def blockdiag_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Ten
     plan = build_varlen_plan(ids, local_len=local_len, row_offset=row_offset, validate=config.validate)
     plan = plan.to(query.device)
     spec = kernel_spec(query, key, value, dropout_p=dropout_p, window=sliding_window, softcap=None)
-    name, note = choose_backend(backend, spec, available_backends(spec, config.disabled_backends))
-    if note:
-        warnings.warn(note, stacklevel=2)
+    name = resolve_backend(config, spec, backend=backend)
     out = attend_flat(flat_rows(query), flat_rows(key), flat_rows(value), plan, name,
                       scale=head_dim ** -0.5 if scale is None else scale, dropout_p=dropout_p,
                       window=sliding_window, config=config)

@@ -19,10 +19,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from transformers import AttentionInterface
+from transformers.masking_utils import AttentionMaskInterface
 
 from ..config import BlockDiagCPConfig
 from ..context import BlockDiagCPContext
-from ..kernels import BackendUnavailable, available_backends, choose_backend
+from ..kernels import BackendUnavailable
 from ..planning import (
     VarlenPlan,
     build_varlen_plan,
@@ -31,7 +33,8 @@ from ..planning import (
     plan_from_segments,
 )
 from ..planning.varlen import Segment
-from .core import attend_flat, check_qkv, flat_rows, kernel_spec
+from .core import attend_flat, check_qkv, flat_rows, kernel_spec, resolve_backend
+from .cp import cp_attention
 
 __all__ = ["ATTN_IMPLEMENTATION", "BlockDiagMask", "blockdiag_cp_attention", "blockdiag_cp_mask", "register"]
 
@@ -48,7 +51,8 @@ class BlockDiagMask:
         q_offset / kv_offset: absolute position of the first query / key (non-zero with a cache).
         q_length / kv_length: query / key lengths transformers sized the mask for.
         source: the 2-D padding mask transformers passed in (``None`` if none).
-        plans: per-forward plans derived from keyword arguments (owned here, reused by every layer).
+        plans: per-forward plans derived from keyword arguments, by ``(B, L, S)`` of the layer's query
+            and keys (owned here, reused by every layer of the forward and by its recompute).
 
     ``generate()`` with a compilable (static) cache builds the mask once and feeds it back to the
     model as ``attention_mask``; for that round trip the object presents itself as the 2-D padding
@@ -61,7 +65,7 @@ class BlockDiagMask:
     q_length: int
     kv_length: int
     source: torch.Tensor | None = None
-    plans: dict[Any, VarlenPlan] = field(default_factory=dict, repr=False)
+    plans: dict[tuple[int, int, int], VarlenPlan] = field(default_factory=dict, repr=False)
 
     ndim = 2
 
@@ -202,8 +206,6 @@ def blockdiag_cp_attention(module: torch.nn.Module, query: torch.Tensor, key: to
         ctx.check_local(batch, local_len)
         config = ctx.config
         if ctx.cp_size > 1:
-            from ..distributed.runtime import cp_attention  # K/V exchange across the CP group
-
             out = cp_attention(ctx, query, key, value, dropout_p=dropout, scale=scale, window=sliding_window,
                                softcap=softcap)
             return out.view(batch, local_len, num_q_heads, value.shape[-1]), None
@@ -214,9 +216,7 @@ def blockdiag_cp_attention(module: torch.nn.Module, query: torch.Tensor, key: to
         config = BlockDiagCPConfig()
         plan = _plan_from_kwargs(query, key, mask, kwargs, config)
     spec = kernel_spec(query, key, value, dropout_p=dropout, window=sliding_window, softcap=softcap)
-    backend, note = choose_backend(config.backend, spec, available_backends(spec, config.disabled_backends))
-    if note:
-        warnings.warn(note, stacklevel=2)
+    backend = resolve_backend(config, spec)
     out = attend_flat(flat_rows(query), flat_rows(key), flat_rows(value), plan, backend, scale=scale,
                       dropout_p=dropout, window=sliding_window, softcap=softcap, config=config)
     return out.view(batch, local_len, num_q_heads, value.shape[-1]), None
@@ -237,9 +237,6 @@ def _dense_user_mask(module: torch.nn.Module, query: torch.Tensor, key: torch.Te
 
 def register() -> None:
     """Register ``"blockdiag_cp"`` with transformers' attention and mask interfaces (idempotent)."""
-    from transformers import AttentionInterface
-    from transformers.masking_utils import AttentionMaskInterface
-
     AttentionInterface.register(ATTN_IMPLEMENTATION, blockdiag_cp_attention)
     AttentionMaskInterface.register(ATTN_IMPLEMENTATION, blockdiag_cp_mask)
 

@@ -1,5 +1,19 @@
-"""Context parallelism: the host-side exchange plan, the differentiable K/V exchanges and the runtime."""
+"""Collectives of a CP group: the differentiable K/V exchanges, the per-step rank agreement, and
+process groups that survive pickling. Planning lives in :mod:`hf_blockdiag_cp.planning`, the
+per-layer CP path in :mod:`hf_blockdiag_cp.attention.cp`."""
 
-from .plan import ExchangePlan, needed_ranges, plan_exchange
+from .agreement import AgreementError, agree_on_backends
+from .exchange import CollectiveError, CommStats, RankExchange, exchange_kv
+from .groups import GroupRef, group_to_ref, ref_to_group
 
-__all__ = ["ExchangePlan", "needed_ranges", "plan_exchange"]
+__all__ = [
+    "AgreementError",
+    "CollectiveError",
+    "CommStats",
+    "GroupRef",
+    "RankExchange",
+    "agree_on_backends",
+    "exchange_kv",
+    "group_to_ref",
+    "ref_to_group",
+]

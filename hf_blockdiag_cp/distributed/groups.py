@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch.distributed as dist
+from torch.distributed.distributed_c10d import _resolve_process_group
 
 __all__ = ["GroupRef", "group_to_ref", "ref_to_group"]
 
@@ -36,8 +37,6 @@ def ref_to_group(ref: Any) -> Any:
     e.g. inside a DataLoader worker, so that the next hop can resolve it)."""
     if not isinstance(ref, GroupRef) or not dist.is_initialized():
         return ref
-    from torch.distributed.distributed_c10d import _resolve_process_group
-
     try:
         return _resolve_process_group(ref.name)
     except (KeyError, RuntimeError, ValueError):

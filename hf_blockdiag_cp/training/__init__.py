@@ -1,10 +1,24 @@
-"""Training on a (dp, cp) mesh: the mesh, data sharding over dp, loss normalisation, set-up checks."""
+"""Training on a (dp, cp) mesh: the mesh, data sharding over dp, loss normalisation, set-up checks.
+
+``CPTrainer`` is loaded on first use: importing ``transformers.trainer`` is most of the package's
+import time, and every spawned rank would pay it even when it never builds a Trainer.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
 
 from .checks import check_batch, check_collator, guard_model
 from .data import DataParallelShard, dp_dataloader
 from .loss import global_num_items, normalize_num_items, reduce_loss_for_logging
 from .mesh import cp_coordinates, init_device_mesh
-from .trainer import CPTrainer
+
+if TYPE_CHECKING:
+    from .trainer import CPTrainer
+
+#: Public names loaded lazily, and the module that defines each.
+_LAZY: dict[str, str] = {"CPTrainer": ".trainer"}
 
 __all__ = [
     "CPTrainer",
@@ -19,3 +33,15 @@ __all__ = [
     "normalize_num_items",
     "reduce_loss_for_logging",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        value = getattr(importlib.import_module(_LAZY[name], __name__), name)
+        globals()[name] = value  # later lookups skip this hook
+        return value
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))

@@ -5,7 +5,7 @@ ranks with no communication and no device sync. Contiguous sharding: rank ``r`` 
 ``[r*L, (r+1)*L)``; its real (non-padding) queries need keys from the start of the document that
 contains its first real row (possibly several ranks back) up to its last real row.
 
-Strategies (``BlockDiagCPConfig.kv_exchange``):
+Strategies (:class:`Strategy`, chosen by ``BlockDiagCPConfig.kv_exchange``):
 
 - ``none`` (only chosen by ``auto``): no document straddles a shard boundary; K/V stay local.
 - ``allgather``: every rank receives the whole row.
@@ -20,15 +20,29 @@ With ``halo`` / ``a2a`` rank ``r``'s K/V buffer is ``[lo_r, (r+1)*L)``: received
 
 from __future__ import annotations
 
+import enum
 import warnings
 from dataclasses import dataclass
 
 import torch
 
 from ..config import BlockDiagCPConfig
-from ..planning import PlanError, as_doc_ids
+from .documents import as_doc_ids
+from .varlen import PlanError
 
-__all__ = ["ExchangePlan", "plan_exchange", "needed_ranges"]
+__all__ = ["ExchangePlan", "RankTransfer", "Strategy", "needed_ranges", "plan_exchange"]
+
+
+class Strategy(str, enum.Enum):
+    """How K/V rows reach the ranks that need them (a ``str`` so it compares equal to its name)."""
+
+    NONE = "none"
+    ALLGATHER = "allgather"
+    HALO = "halo"
+    A2A = "a2a"
+
+    def __str__(self) -> str:
+        return self.value
 
 
 def needed_ranges(doc_ids_row: torch.Tensor, cp_size: int) -> tuple[tuple[int, int], ...]:
@@ -56,10 +70,31 @@ def needed_ranges(doc_ids_row: torch.Tensor, cp_size: int) -> tuple[tuple[int, i
     return tuple((lo[r], hi[r]) if has_real[r] else (r * local_len, r * local_len) for r in range(cp_size))
 
 
-def _send_rows(need: tuple[tuple[int, int], ...], local_len: int, src: int, dst: int) -> tuple[int, int]:
-    lo, hi = need[dst]
-    a, b = max(lo, src * local_len), min(hi, dst * local_len, (src + 1) * local_len)
-    return (a, b) if src < dst and b > a else (0, 0)
+@dataclass(frozen=True, eq=False)
+class RankTransfer:
+    """One rank's share of an :class:`ExchangePlan`: every number its exchange needs (host side).
+
+    Attributes:
+        rank: the rank these numbers are for.
+        strategy: the plan's resolved strategy.
+        send_ranges: per destination rank, the global ``[lo, hi)`` rows sent to it (``(0, 0)``: none).
+        send_splits / recv_splits: rows sent to / received from each rank (``halo`` / ``a2a``).
+        recv_rows: rows received per layer and prepended to the local rows (all-gather:
+            ``(P - 1) * L``).
+        send_index: ``[sum(send_splits)]`` int64 local rows sent, grouped by destination (CPU).
+    """
+
+    rank: int
+    strategy: Strategy
+    send_ranges: tuple[tuple[int, int], ...]
+    send_splits: tuple[int, ...]
+    recv_splits: tuple[int, ...]
+    recv_rows: int
+    send_index: torch.Tensor
+
+    @property
+    def rows_sent(self) -> int:
+        return sum(self.send_splits)
 
 
 @dataclass(frozen=True)
@@ -69,47 +104,58 @@ class ExchangePlan:
     Attributes:
         cp_size / local_len / full_len: ``P``, ``L`` and ``S = P * L``.
         need: per rank, global ``[lo, hi)`` K/V rows its real queries need.
-        requested / strategy: the configured and the resolved strategy (``none``, ``allgather``,
-            ``halo`` or ``a2a``).
+        strategy: the resolved :class:`Strategy`.
         halo_valid: whether every rank's remote need lies within the previous rank.
         kv_ranges: per rank, the global ranges its K/V buffer holds, in buffer order.
-        send_counts: ``send_counts[src][dst]`` rows ``src`` sends to ``dst`` (``halo`` / ``a2a``;
-            all-gather moves ``L`` rows between every pair).
     """
 
     cp_size: int
     local_len: int
     full_len: int
     need: tuple[tuple[int, int], ...]
-    requested: str
-    strategy: str
+    strategy: Strategy
     halo_valid: bool
     kv_ranges: tuple[tuple[tuple[int, int], ...], ...]
-    send_counts: tuple[tuple[int, ...], ...]
+
+    def send_range(self, src: int, dst: int) -> tuple[int, int]:
+        """Global ``[lo, hi)`` rows ``src`` sends to ``dst`` under ``halo`` / ``a2a`` (``(0, 0)``: none)."""
+        lo, hi = self.need[dst]
+        a = max(lo, src * self.local_len)
+        b = min(hi, dst * self.local_len, (src + 1) * self.local_len)
+        return (a, b) if src < dst and b > a else (0, 0)
 
     def remote_rows(self, rank: int) -> int:
-        """Rows ``rank`` needs from other ranks."""
+        """Rows ``rank`` needs from other ranks (the exact need, whatever the strategy)."""
         lo, hi = self.need[rank]
         return max(0, min(hi, rank * self.local_len) - lo) if hi > lo else 0
 
-    def send_rows(self, src: int, dst: int) -> tuple[int, int]:
-        """Global ``[lo, hi)`` rows ``src`` sends to ``dst`` under ``halo`` / ``a2a``."""
-        return _send_rows(self.need, self.local_len, src, dst)
+    def for_rank(self, rank: int) -> RankTransfer:
+        """The splits, ranges and local send rows of ``rank`` under the resolved strategy."""
+        if not 0 <= rank < self.cp_size:
+            raise PlanError(f"rank={rank} outside [0, cp_size={self.cp_size})")
+        ranks = range(self.cp_size)
+        if self.strategy in (Strategy.NONE, Strategy.ALLGATHER):
+            nothing = tuple((0, 0) for _ in ranks)
+            recv = (self.cp_size - 1) * self.local_len if self.strategy == Strategy.ALLGATHER else 0
+            zeros = tuple(0 for _ in ranks)
+            return RankTransfer(rank, self.strategy, nothing, zeros, zeros, recv, torch.zeros(0, dtype=torch.int64))
+        send_ranges = tuple(self.send_range(rank, dst) for dst in ranks)
+        recv_splits = tuple(b - a for a, b in (self.send_range(src, rank) for src in ranks))
+        base = rank * self.local_len
+        pieces = [torch.arange(a - base, b - base) for a, b in send_ranges if b > a]
+        send_index = torch.cat(pieces) if pieces else torch.zeros(0, dtype=torch.int64)
+        return RankTransfer(rank, self.strategy, send_ranges, tuple(b - a for a, b in send_ranges), recv_splits,
+                            sum(recv_splits), send_index)
 
     def rows_received(self, rank: int) -> int:
         """K/V rows ``rank`` receives per layer under the resolved strategy."""
-        if self.strategy == "none":
-            return 0
-        if self.strategy == "allgather":
-            return (self.cp_size - 1) * self.local_len
-        return sum(self.send_counts[src][rank] for src in range(self.cp_size))
+        return self.for_rank(rank).recv_rows
 
     def rows_sent(self, rank: int) -> int:
-        if self.strategy == "none":
-            return 0
-        if self.strategy == "allgather":
+        """K/V rows ``rank`` sends per layer under the resolved strategy."""
+        if self.strategy == Strategy.ALLGATHER:
             return (self.cp_size - 1) * self.local_len
-        return sum(self.send_counts[rank])
+        return self.for_rank(rank).rows_sent
 
     def bytes_per_layer(self, rank: int, *, num_kv_heads: int, head_dim: int, value_dim: int | None = None,
                         dtype: torch.dtype = torch.bfloat16) -> dict[str, int]:
@@ -134,21 +180,19 @@ def plan_exchange(doc_ids: torch.Tensor, *, cp_size: int, config: BlockDiagCPCon
     halo_valid = all(lo >= (r - 1) * local_len for r, (lo, hi) in enumerate(need) if hi > lo and remote[r])
     requested = config.kv_exchange
     if requested == "auto":
-        strategy = "none" if not any(remote) else ("halo" if halo_valid else "a2a")
+        strategy = Strategy.NONE if not any(remote) else (Strategy.HALO if halo_valid else Strategy.A2A)
     elif requested == "halo" and not halo_valid:
         warnings.warn("kv_exchange='halo' cannot serve a document reaching back more than one rank this step; "
                       "using 'a2a'", stacklevel=2)
-        strategy = "a2a"
+        strategy = Strategy.A2A
     else:
-        strategy = requested
-    counts = tuple(tuple(b - a for a, b in (_send_rows(need, local_len, s, d) for d in range(cp_size)))
-                   for s in range(cp_size))
-    if strategy == "none":
+        strategy = Strategy(requested)
+    if strategy == Strategy.NONE:
         ranges = tuple(((r * local_len, (r + 1) * local_len),) for r in range(cp_size))
-    elif strategy == "allgather":
+    elif strategy == Strategy.ALLGATHER:
         ranges = tuple(((0, full_len),) for _ in range(cp_size))
     else:
         ranges = tuple(((min(need[r][0], r * local_len) if need[r][1] > need[r][0] else r * local_len,
                          (r + 1) * local_len),) for r in range(cp_size))
-    return ExchangePlan(cp_size=cp_size, local_len=local_len, full_len=full_len, need=need, requested=requested,
-                        strategy=strategy, halo_valid=halo_valid, kv_ranges=ranges, send_counts=counts)
+    return ExchangePlan(cp_size=cp_size, local_len=local_len, full_len=full_len, need=need, strategy=strategy,
+                        halo_valid=halo_valid, kv_ranges=ranges)

@@ -1,0 +1,149 @@
+"""The CP attention path of one layer: agree (once per step) -> exchange K/V -> kernel.
+
+Called by the registered attention function when ``cp_context.cp_size > 1``. Every decision was
+made on the host when the context was planned; the layer only looks things up in the context's
+:class:`~hf_blockdiag_cp.context.StepState` (device copy, agreed backends, the rank's exchange),
+which the first layer of a step fills and every later layer and activation-checkpoint recompute
+reuses.
+"""
+
+from __future__ import annotations
+
+import datetime
+
+import torch
+import torch.distributed as dist
+
+from ..config import BACKENDS
+from ..context import BlockDiagCPContext
+from ..distributed import CommStats, RankExchange, agree_on_backends, exchange_kv
+from ..distributed.groups import GroupRef
+from ..kernels import KernelSpec, available_backends
+from ..planning import PlanError
+from ..planning.exchange import Strategy
+from ..planning.fingerprint import fingerprint
+from .core import attend_flat, check_qkv, flat_rows, kernel_spec, resolve_backend
+
+__all__ = ["CPKernelError", "comm_stats", "cp_attention", "step_backends"]
+
+#: Bit order of the backend availability mask the ranks exchange (the same on every rank).
+_BACKEND_BITS: tuple[str, ...] = tuple(name for name in BACKENDS if name != "auto")
+
+
+class CPKernelError(RuntimeError):
+    """An attention kernel raised on this rank during a CP step (its peers will fail in their next
+    collective, within ``collective_timeout_s``)."""
+
+
+def comm_stats(ctx: BlockDiagCPContext) -> CommStats:
+    """Bytes this rank moved through K/V exchanges in this context's step so far."""
+    return ctx.state.comm
+
+
+def step_backends(ctx: BlockDiagCPContext) -> dict[KernelSpec, str]:
+    """Backend chosen per kernel spec in this step (filled as layers run)."""
+    return ctx.state.backends
+
+
+def _timeout(ctx: BlockDiagCPContext) -> datetime.timedelta:
+    return datetime.timedelta(seconds=ctx.config.collective_timeout_s)
+
+
+def _check_group(ctx: BlockDiagCPContext) -> None:
+    """The context's group must be a live process group here (pure attribute reads, once per step)."""
+    if isinstance(ctx.group, GroupRef):
+        raise RuntimeError(f"cp_context names the process group {ctx.group.name!r}, which this process does not "
+                           "have; build the collator in the training process that created the group")
+    if ctx.group is None or not dist.is_initialized():
+        raise RuntimeError("cp_size > 1 needs an initialised torch.distributed process group in cp_context.group")
+
+
+def _rank_exchange(ctx: BlockDiagCPContext, device: torch.device) -> RankExchange | None:
+    """This rank's device-ready exchange (``None`` when nothing moves), built once per step and device."""
+    if device in ctx.state.exchanges:
+        return ctx.state.exchanges[device]
+    plan = ctx.exchange
+    ex = None
+    if plan is not None and plan.strategy != Strategy.NONE:
+        transfer = plan.for_rank(ctx.cp_rank)
+        ex = RankExchange(
+            transfer=transfer,
+            size=plan.cp_size,
+            global_ranks=tuple(dist.get_global_rank(ctx.group, i) for i in range(plan.cp_size)),
+            send_index=transfer.send_index.to(device),
+            timeout=_timeout(ctx),
+            group=ctx.group,
+            stats=ctx.state.comm,
+        )
+    ctx.state.exchanges[device] = ex
+    return ex
+
+
+def _agreed_backends(ctx: BlockDiagCPContext, spec: KernelSpec, device: torch.device) -> frozenset[str]:
+    """The step's rank agreement (one small collective, first layer only).
+
+    Library/device availability is the same for the later layers; what differs per layer (window,
+    dropout) is a pure function of the spec, identical on all ranks.
+    """
+    if ctx.state.agreed_backends is None:
+        _check_group(ctx)
+        config, plan = ctx.config, ctx.exchange
+        ctx.state.agreed_backends = agree_on_backends(
+            available_backends(spec, config.disabled_backends),
+            _BACKEND_BITS,
+            data_fingerprint=ctx.data_fingerprint,
+            plan_fingerprint=fingerprint(repr((plan.cp_size, plan.local_len, str(plan.strategy),
+                                                config.backend)).encode()),
+            group=ctx.group,
+            rank=ctx.cp_rank,
+            size=ctx.cp_size,
+            timeout=_timeout(ctx),
+            device=device,
+        )
+    return ctx.state.agreed_backends
+
+
+def _backend(ctx: BlockDiagCPContext, spec: KernelSpec, device: torch.device) -> str:
+    chosen = ctx.state.backends
+    if spec not in chosen:
+        agreed = _agreed_backends(ctx, spec, device)
+        chosen[spec] = resolve_backend(ctx.config, spec, agreed=agreed, where=" (on every CP rank)")
+    return chosen[spec]
+
+
+def cp_attention(ctx: BlockDiagCPContext, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *,
+                 dropout_p: float, scale: float, window: int | None, softcap: float | None) -> torch.Tensor:
+    """Block-diagonal attention of this rank's local rows over K/V gathered from the CP group.
+
+    Args:
+        ctx: the step's context (``cp_size > 1``).
+        query: ``[1, Hq, L, D]`` local queries.
+        key, value: ``[1, Hkv, L, D]`` / ``[1, Hkv, L, Dv]`` local keys/values (before exchange).
+
+    Returns:
+        ``[L, Hq, Dv]`` (padding rows are zeros).
+    """
+    check_qkv(query, key, value)
+    local_len = query.shape[2]
+    if query.shape[0] != 1 or key.shape[2] != local_len:
+        raise PlanError(f"CP attention expects one packed row per micro-batch and local keys: got query "
+                        f"{tuple(query.shape)}, key {tuple(key.shape)}")
+    ctx = ctx.to(query.device)
+    spec = kernel_spec(query, key, value, dropout_p=dropout_p, window=window, softcap=softcap)
+    backend = _backend(ctx, spec, query.device)
+    num_kv_heads, head_dim, value_dim = key.shape[1], key.shape[3], value.shape[3]
+    k_flat, v_flat = flat_rows(key), flat_rows(value)
+    ex = _rank_exchange(ctx, query.device)
+    if ex is not None:
+        # One fused buffer per layer: one collective forward, one backward (see distributed/exchange.py).
+        kv = torch.cat([k_flat.reshape(local_len, -1), v_flat.reshape(local_len, -1)], dim=1)
+        kv = exchange_kv(kv, ex)
+        rows = kv.shape[0]
+        k_flat = kv[:, : num_kv_heads * head_dim].view(rows, num_kv_heads, head_dim)
+        v_flat = kv[:, num_kv_heads * head_dim:].view(rows, num_kv_heads, value_dim)
+    try:
+        return attend_flat(flat_rows(query), k_flat, v_flat, ctx.plan, backend, scale=scale, dropout_p=dropout_p,
+                           window=window, softcap=softcap, config=ctx.config)
+    except Exception as err:
+        raise CPKernelError(f"CP rank {ctx.cp_rank}/{ctx.cp_size}: the {backend!r} attention kernel failed "
+                            f"({type(err).__name__}: {err}); peer ranks will stop at their next collective") from err
