@@ -7,7 +7,6 @@ immutable value built once and carried by :class:`~hf_blockdiag_cp.context.Block
 
 from __future__ import annotations
 
-import dataclasses
 import os
 from dataclasses import dataclass, field
 
@@ -28,6 +27,10 @@ ENV_VARS: dict[str, str] = {
     "collective_timeout_s": "HF_BLOCKDIAG_CP_COLLECTIVE_TIMEOUT_S",
     "disabled_backends": "HF_BLOCKDIAG_CP_DISABLE_BACKENDS",
 }
+
+#: Longest collective timeout accepted (a year): ``datetime.timedelta`` and the process-group
+#: timeouts overflow on larger values such as ``inf``.
+_MAX_TIMEOUT_S = 365 * 24 * 3600.0
 
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off", ""}
@@ -110,9 +113,7 @@ class BlockDiagCPConfig:
         if unknown:
             raise ValueError(f"disabled_backends={unknown!r} are not backend names ({', '.join(BACKENDS[1:])})")
         object.__setattr__(self, "disabled_backends", disabled)
-        if not self.collective_timeout_s > 0:
-            raise ValueError(f"collective_timeout_s={self.collective_timeout_s!r} must be > 0")
-
-    def replace(self, **changes: object) -> BlockDiagCPConfig:
-        """Return a copy with ``changes`` applied (validated like the constructor)."""
-        return dataclasses.replace(self, **changes)
+        timeout = self.collective_timeout_s
+        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout <= _MAX_TIMEOUT_S:
+            raise ValueError(f"collective_timeout_s={timeout!r} (env {ENV_VARS['collective_timeout_s']}) must be a "
+                             f"number of seconds in (0, {_MAX_TIMEOUT_S:.0f}]")

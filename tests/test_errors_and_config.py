@@ -82,17 +82,45 @@ def test_environment_overrides_defaults_not_explicit_values(monkeypatch):
         BlockDiagCPConfig()
 
 
-def test_env_backend_is_used_by_the_attention_path(monkeypatch):
-    """The env default reaches the kernel choice (sdpa_mask builds its dense mask through visible())."""
+@pytest.mark.parametrize("entry", ["public", "hf"])
+def test_env_backend_is_used_by_the_attention_path(monkeypatch, entry):
+    """The env default reaches the kernel choice when the caller names no backend."""
+    import hf_blockdiag_cp.kernels.sdpa_doc as sdpa_doc
     import hf_blockdiag_cp.kernels.sdpa_mask as sdpa_mask
+    from hf_blockdiag_cp.attention.hf import blockdiag_cp_attention
 
     calls = []
-    original = sdpa_mask.attention
-    monkeypatch.setattr(sdpa_mask, "attention", lambda *a, **k: calls.append(1) or original(*a, **k))
-    monkeypatch.setenv("HF_BLOCKDIAG_CP_BACKEND", "sdpa_mask")
+    for module in (sdpa_mask, sdpa_doc):
+        original = module.attention
+        monkeypatch.setattr(module, "attention",
+                            lambda *a, _name=module.NAME, _f=original, **k: calls.append(_name) or _f(*a, **k))
     q, k, v = _qkv()
-    blockdiag_attention(q, k, v, torch.ones(8, dtype=torch.long), backend=BlockDiagCPConfig().backend)
-    assert calls == [1]
+
+    def run() -> None:
+        if entry == "public":
+            blockdiag_attention(q, k, v, torch.ones(8, dtype=torch.long))
+        else:
+            blockdiag_cp_attention(torch.nn.Module(), q, k, v, None)
+
+    run()
+    assert calls == ["sdpa_doc"]  # the CPU "auto" choice
+    monkeypatch.setenv("HF_BLOCKDIAG_CP_BACKEND", "sdpa_mask")
+    run()
+    assert calls == ["sdpa_doc", "sdpa_mask"]
+    if entry == "public":  # an explicit argument still wins over the environment
+        blockdiag_attention(q, k, v, torch.ones(8, dtype=torch.long), backend="sdpa_doc")
+        assert calls[-1] == "sdpa_doc"
+
+
+def test_collective_timeout_must_be_finite():
+    with pytest.raises(ValueError, match="collective_timeout_s=inf"):
+        BlockDiagCPConfig(collective_timeout_s=float("inf"))
+
+
+def test_collective_timeout_env_names_the_variable(monkeypatch):
+    monkeypatch.setenv("HF_BLOCKDIAG_CP_COLLECTIVE_TIMEOUT_S", "inf")
+    with pytest.raises(ValueError, match="HF_BLOCKDIAG_CP_COLLECTIVE_TIMEOUT_S"):
+        BlockDiagCPConfig()
 
 
 def test_context_rejects_bad_sharding():

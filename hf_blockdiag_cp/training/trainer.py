@@ -27,7 +27,7 @@ from transformers import Trainer
 from transformers.utils import is_datasets_available
 
 from ..attention.hf import ATTN_IMPLEMENTATION
-from ..context import BlockDiagCPContext
+from ..context import BlockDiagCPContext, StepState
 from ..data import PackedDataset
 from .checks import check_collator, guard_model
 from .data import dp_dataloader
@@ -195,7 +195,7 @@ class CPTrainer(Trainer):
         ctx = inputs.get("cp_context") if isinstance(inputs, Mapping) else None
         if (self.mesh is not None and isinstance(ctx, BlockDiagCPContext) and ctx.cp_size > 1
                 and ctx.group is None):
-            inputs = {**inputs, "cp_context": dataclasses.replace(ctx, group=self.mesh["cp"].get_group(), state={})}
+            inputs = {**inputs, "cp_context": dataclasses.replace(ctx, group=self.mesh["cp"].get_group(), state=StepState())}
         return super()._prepare_inputs(inputs)
 
     def train(self, *args: Any, **kwargs: Any) -> Any:
