@@ -6,6 +6,7 @@ an attention layer makes no device synchronisation.
 
 from __future__ import annotations
 
+import contextlib
 import warnings
 from collections.abc import Sequence
 
@@ -15,7 +16,27 @@ from ..config import BlockDiagCPConfig
 from ..kernels import KernelCall, KernelSpec, available_backends, choose_backend, get_backend
 from ..planning import PlanError, VarlenPlan, as_doc_ids, build_varlen_plan
 
-__all__ = ["attend_flat", "blockdiag_attention", "check_qkv", "flat_rows", "kernel_spec", "resolve_backend"]
+__all__ = ["attend_flat", "autocast_like_sdpa", "blockdiag_attention", "check_qkv", "flat_rows", "kernel_spec",
+           "resolve_backend"]
+
+
+def autocast_like_sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
+                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, contextlib.AbstractContextManager]:
+    """Under ``torch.autocast``, do what ``scaled_dot_product_attention`` does: cast q/k/v to the
+    autocast dtype.
+
+    Needed because RoPE's float math leaves q and k in float32 while v comes out of a bf16
+    projection. Returns the (cast) tensors and a context to run the kernel in: autocast switched off,
+    so the kernel keeps its own precision choices (e.g. float32 softmax statistics); outside
+    autocast the tensors are returned unchanged with a no-op context (mixed dtypes then raise in
+    :func:`check_qkv`, as in SDPA). Host-side flag reads only.
+    """
+    device_type = query.device.type
+    if not torch.is_autocast_enabled(device_type):
+        return query, key, value, contextlib.nullcontext()
+    dtype = torch.get_autocast_dtype(device_type)
+    cast = [t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t for t in (query, key, value)]
+    return cast[0], cast[1], cast[2], torch.autocast(device_type, enabled=False)
 
 
 def check_qkv(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> None:
@@ -160,8 +181,19 @@ def blockdiag_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Ten
         position (and within the window); padding query rows are zeros.
 
     This convenience builds the plan on every call (reading ``doc_ids`` on the host); training code
-    builds it once per step through the collator's context instead.
+    builds it once per step through the collator's context instead. Under ``torch.autocast`` q/k/v
+    are cast to the autocast dtype first, as ``scaled_dot_product_attention`` does.
     """
+    query, key, value, autocast_off = autocast_like_sdpa(query, key, value)
+    with autocast_off:
+        return _blockdiag_attention(query, key, value, doc_ids, row_offset, scale=scale,
+                                    sliding_window=sliding_window, dropout_p=dropout_p, backend=backend, config=config)
+
+
+def _blockdiag_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                         doc_ids: torch.Tensor | Sequence[int], row_offset: int, *, scale: float | None,
+                         sliding_window: int | None, dropout_p: float, backend: str | None,
+                         config: BlockDiagCPConfig | None) -> torch.Tensor:
     check_qkv(query, key, value)
     if sliding_window is not None and (not isinstance(sliding_window, int) or sliding_window < 1):
         raise ValueError(f"sliding_window={sliding_window!r} must be a positive int or None")

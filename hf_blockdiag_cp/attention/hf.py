@@ -33,7 +33,7 @@ from ..planning import (
     plan_from_segments,
 )
 from ..planning.varlen import Segment
-from .core import attend_flat, check_qkv, flat_rows, kernel_spec, resolve_backend
+from .core import attend_flat, autocast_like_sdpa, check_qkv, flat_rows, kernel_spec, resolve_backend
 from .cp import cp_attention
 
 __all__ = ["ATTN_IMPLEMENTATION", "BlockDiagMask", "blockdiag_cp_attention", "blockdiag_cp_mask", "register"]
@@ -192,11 +192,20 @@ def blockdiag_cp_attention(module: torch.nn.Module, query: torch.Tensor, key: to
                       stacklevel=2)
     if sliding_window is not None and sliding_window <= 0:
         sliding_window = None
-    ctx: BlockDiagCPContext | None = kwargs.get("cp_context")
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-    batch, num_q_heads, local_len, _ = query.shape
+    query, key, value, autocast_off = autocast_like_sdpa(query, key, value)
+    with autocast_off:
+        out = _attention(query, key, value, attention_mask, dropout, scale, sliding_window, softcap, kwargs)
+    return out.reshape(query.shape[0], query.shape[2], query.shape[1], value.shape[-1]), None
+
+
+def _attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask: Any, dropout: float,
+               scale: float, sliding_window: int | None, softcap: float | None, kwargs: dict[str, Any]) -> torch.Tensor:
+    """The body of :func:`blockdiag_cp_attention` on same-dtype inputs: ``[B*L, Hq, Dv]`` (or ``[B, L, Hq, Dv]``)."""
+    ctx: BlockDiagCPContext | None = kwargs.get("cp_context")
+    batch, local_len = query.shape[0], query.shape[2]
     if isinstance(attention_mask, torch.Tensor):
-        return _dense_user_mask(module, query, key, value, attention_mask, dropout, scale, softcap), None
+        return _dense_user_mask(query, key, value, attention_mask, dropout, scale, softcap)
     mask = attention_mask if isinstance(attention_mask, BlockDiagMask) else None
     if ctx is not None:
         if not isinstance(ctx, BlockDiagCPContext):
@@ -206,9 +215,8 @@ def blockdiag_cp_attention(module: torch.nn.Module, query: torch.Tensor, key: to
         ctx.check_local(batch, local_len)
         config = ctx.config
         if ctx.cp_size > 1:
-            out = cp_attention(ctx, query, key, value, dropout_p=dropout, scale=scale, window=sliding_window,
-                               softcap=softcap)
-            return out.view(batch, local_len, num_q_heads, value.shape[-1]), None
+            return cp_attention(ctx, query, key, value, dropout_p=dropout, scale=scale, window=sliding_window,
+                                softcap=softcap)
         check_qkv(query, key, value)
         plan = ctx.to(query.device).plan
     else:
@@ -217,13 +225,12 @@ def blockdiag_cp_attention(module: torch.nn.Module, query: torch.Tensor, key: to
         plan = _plan_from_kwargs(query, key, mask, kwargs, config)
     spec = kernel_spec(query, key, value, dropout_p=dropout, window=sliding_window, softcap=softcap)
     backend = resolve_backend(config, spec)
-    out = attend_flat(flat_rows(query), flat_rows(key), flat_rows(value), plan, backend, scale=scale,
-                      dropout_p=dropout, window=sliding_window, softcap=softcap, config=config)
-    return out.view(batch, local_len, num_q_heads, value.shape[-1]), None
+    return attend_flat(flat_rows(query), flat_rows(key), flat_rows(value), plan, backend, scale=scale,
+                       dropout_p=dropout, window=sliding_window, softcap=softcap, config=config)
 
 
-def _dense_user_mask(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                     mask: torch.Tensor, dropout: float, scale: float, softcap: float | None) -> torch.Tensor:
+def _dense_user_mask(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor, dropout: float,
+                     scale: float, softcap: float | None) -> torch.Tensor:
     """A caller-built 4-D mask is honoured exactly with dense SDPA (no planning possible)."""
     if softcap is not None:
         raise BackendUnavailable("blockdiag_cp cannot apply softcap with a user-supplied dense mask")
