@@ -123,9 +123,7 @@ def _source_files() -> list[Path]:
 
 # Known until exchange.py's docstring stops citing FACTS.md (a file outside this repository); flip by
 # removing the entry once it is fixed: strict xfail turns the fix into a failure until then.
-_KNOWN_BROKEN_MENTIONS = {
-    "hf_blockdiag_cp/distributed/exchange.py": "cites FACTS.md, which is not in the repository; state the fact inline",
-}
+_KNOWN_BROKEN_MENTIONS: dict[str, str] = {}
 
 
 def _source_params() -> list:
