@@ -99,12 +99,11 @@ def test_ranks_with_different_data_all_raise_before_exchanging():
 
 def _sync_worker(rank: int, world: int) -> list[list[str]]:
     import torch.distributed as dist
-    from transformers import AttentionInterface
-    from transformers.masking_utils import AttentionMaskInterface
 
     from hf_blockdiag_cp import BlockDiagCPConfig, BlockDiagCPContext
-    from hf_blockdiag_cp.attention.hf import blockdiag_cp_attention, blockdiag_cp_mask
+    from hf_blockdiag_cp.attention.hf import blockdiag_cp_attention
     from tests.reference import tiny_model
+    from tests.spies import registered_attention
     from tests.sync_counter import SyncCounter
 
     counter, per_call = SyncCounter(), []
@@ -116,18 +115,18 @@ def _sync_worker(rank: int, world: int) -> list[list[str]]:
         per_call.append(counter.calls[before:])
         return out
 
-    AttentionInterface.register("blockdiag_cp_counted", counted)
-    AttentionMaskInterface.register("blockdiag_cp_counted", blockdiag_cp_mask)
     doc_ids, ids, pos, sl = _inputs(rank, world)
-    model = tiny_model("llama", attn_implementation="blockdiag_cp_counted", num_hidden_layers=3)
-    model.train()
-    model.activation_checkpointing_enable()
-    for strategy in ("a2a", "halo", "allgather"):
-        ctx = BlockDiagCPContext.build(doc_ids, cp_rank=rank, cp_size=world, group=dist.group.WORLD,
-                                       config=BlockDiagCPConfig(kv_exchange=strategy))
-        with counter.patched():
-            out = model(ids[:, sl], position_ids=pos[:, sl], labels=ids[:, sl], cp_context=ctx, use_cache=False)
-            out.loss.backward()
+    with registered_attention("blockdiag_cp_counted", counted):
+        model = tiny_model("llama", attn_implementation="blockdiag_cp_counted", num_hidden_layers=3)
+        model.train()
+        model.activation_checkpointing_enable()
+        for strategy in ("a2a", "halo", "allgather"):
+            ctx = BlockDiagCPContext.build(doc_ids, cp_rank=rank, cp_size=world, group=dist.group.WORLD,
+                                           config=BlockDiagCPConfig(kv_exchange=strategy))
+            with counter.patched():
+                out = model(ids[:, sl], position_ids=pos[:, sl], labels=ids[:, sl], cp_context=ctx,
+                            use_cache=False)
+                out.loss.backward()
     return per_call
 
 

@@ -3,18 +3,18 @@
 from __future__ import annotations
 
 import torch
-from transformers import AttentionInterface
-from transformers.masking_utils import AttentionMaskInterface
 
 from hf_blockdiag_cp import BlockDiagCPContext
-from hf_blockdiag_cp.attention.hf import blockdiag_cp_attention, blockdiag_cp_mask
+from hf_blockdiag_cp.attention.hf import blockdiag_cp_attention
 from tests.reference import tiny_model
+from tests.spies import registered_attention
 from tests.sync_counter import SyncCounter
 
 COUNTED = "blockdiag_cp_sync_counted"
 
 
-def _install(counter: SyncCounter, per_call: list[int]) -> None:
+def _counted(counter: SyncCounter, per_call: list[int]):
+    """The attention function, counting host reads per call into ``per_call``."""
     def counted_attention(*args, **kwargs):
         before = len(counter.calls)
         with counter.region():
@@ -22,8 +22,7 @@ def _install(counter: SyncCounter, per_call: list[int]) -> None:
         per_call.append(len(counter.calls) - before)
         return out
 
-    AttentionInterface.register(COUNTED, counted_attention)
-    AttentionMaskInterface.register(COUNTED, blockdiag_cp_mask)
+    return registered_attention(COUNTED, counted_attention)
 
 
 def _batch():
@@ -48,25 +47,25 @@ def test_counter_detects_host_reads():
 
 def test_zero_host_reads_in_attention_layers_with_context():
     counter, per_call = SyncCounter(), []
-    _install(counter, per_call)
     ids, doc_ids, position_ids = _batch()
-    model = tiny_model("llama", attn_implementation=COUNTED, num_hidden_layers=3)
-    model.train()
-    model.activation_checkpointing_enable()  # recompute must not re-plan or read either
     ctx = BlockDiagCPContext.build(doc_ids)
-    with counter.patched():
-        out = model(ids, position_ids=position_ids, labels=ids, cp_context=ctx, use_cache=False)
-        out.loss.backward()
+    with _counted(counter, per_call):
+        model = tiny_model("llama", attn_implementation=COUNTED, num_hidden_layers=3)
+        model.train()
+        model.activation_checkpointing_enable()  # recompute must not re-plan or read either
+        with counter.patched():
+            out = model(ids, position_ids=position_ids, labels=ids, cp_context=ctx, use_cache=False)
+            out.loss.backward()
     assert len(per_call) == 6  # 3 layers forward + 3 recomputed in backward
     assert counter.calls == [], counter.calls
 
 
 def test_keyword_plans_read_once_per_forward_not_per_layer():
     counter, per_call = SyncCounter(), []
-    _install(counter, per_call)
     ids, _, position_ids = _batch()
-    model = tiny_model("llama", attn_implementation=COUNTED, num_hidden_layers=3)
-    with counter.patched():
-        model(ids, position_ids=position_ids, use_cache=False)
+    with _counted(counter, per_call):
+        model = tiny_model("llama", attn_implementation=COUNTED, num_hidden_layers=3)
+        with counter.patched():
+            model(ids, position_ids=position_ids, use_cache=False)
     assert len(per_call) == 3
     assert per_call[0] > 0 and per_call[1:] == [0, 0], per_call  # the first layer plans, the rest reuse

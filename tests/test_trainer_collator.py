@@ -10,12 +10,12 @@ import math
 
 import pytest
 import torch
-from transformers import AttentionInterface, Trainer, TrainingArguments
-from transformers.masking_utils import AttentionMaskInterface
+from transformers import Trainer, TrainingArguments
 
 from hf_blockdiag_cp import BlockDiagCPContext, PackedDataset, PackingCollator
-from hf_blockdiag_cp.attention.hf import blockdiag_cp_attention, blockdiag_cp_mask
+from hf_blockdiag_cp.attention.hf import blockdiag_cp_attention
 from tests.reference import tiny_model
+from tests.spies import registered_attention
 
 SPY = "blockdiag_cp_test_spy"
 
@@ -37,9 +37,8 @@ class AttentionSpy:
 @pytest.fixture()
 def spy():
     spy = AttentionSpy()
-    AttentionInterface.register(SPY, spy)
-    AttentionMaskInterface.register(SPY, blockdiag_cp_mask)
-    return spy
+    with registered_attention(SPY, spy):
+        yield spy
 
 
 def corpus() -> list[dict]:
