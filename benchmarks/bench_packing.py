@@ -3,7 +3,8 @@
 Document lengths are lognormal (median ``median`` tokens, sigma ``sigma``) clipped to [1, 8*seq_len];
 documents longer than ``seq_len`` are split into ``seq_len`` pieces first (``overflow="split"``), as
 the collator does. Prints a Markdown table; ``--buffer`` packs a stream in buffers of that many
-documents (as :class:`hf_blockdiag_cp.PackedDataset` does) instead of all at once.
+documents (as :class:`hf_blockdiag_cp.PackedDataset` does) instead of all at once. The greedy
+baselines live here, not in the package: nothing but this comparison uses them.
 
     python benchmarks/bench_packing.py
     python benchmarks/bench_packing.py --seq-len 8192 --median 600 --docs 20000 --buffer 1000
@@ -17,7 +18,46 @@ import random
 import statistics
 import time
 
-from hf_blockdiag_cp.data.packing import best_fit_decreasing, first_fit, next_fit, split_overflow
+from collections.abc import Sequence
+
+from hf_blockdiag_cp.data.packing import best_fit_decreasing, split_overflow
+
+
+def first_fit(sizes: Sequence[int], capacity: int) -> list[list[int]]:
+    """Greedy first-fit in arrival order: each item goes into the earliest bin with room.
+
+    Sizes must be in ``[1, capacity]`` (unchecked; :func:`split_overflow` pieces are).
+    """
+    bins: list[list[int]] = []
+    room: list[int] = []
+    for item, size in enumerate(sizes):
+        b = next((b for b, left in enumerate(room) if left >= size), len(bins))
+        if b == len(bins):
+            bins.append([])
+            room.append(capacity)
+        bins[b].append(item)
+        room[b] -= size
+    return bins
+
+
+def next_fit(sizes: Sequence[int], capacity: int) -> list[list[int]]:
+    """Sequential greedy packing: fill the current bin in arrival order, open a new one when an
+    item does not fit (what "concatenate and cut" pipelines do when they must not cut documents)."""
+    bins: list[list[int]] = []
+    room = 0
+    for item, size in enumerate(sizes):
+        if size > room:
+            bins.append([])
+            room = capacity
+        bins[-1].append(item)
+        room -= size
+    return bins
+
+
+def padding_fraction(rows: int, tokens: int, capacity: int) -> float:
+    """Fraction of the ``rows * capacity`` slots not holding one of ``tokens`` tokens (0 for no rows)."""
+    return 0.0 if rows == 0 else 1.0 - tokens / (rows * capacity)
+
 
 PACKERS = {"best_fit_decreasing": best_fit_decreasing, "first_fit": first_fit, "next_fit (concatenate)": next_fit}
 
@@ -36,7 +76,7 @@ def measure(lengths: list[int], seq_len: int, buffer: int | None) -> dict[str, t
         start = time.perf_counter()
         rows = sum(len(packer(chunk, seq_len)) for chunk in chunks)
         seconds = time.perf_counter() - start
-        out[name] = (1.0 - sum(sizes) / (rows * seq_len), rows, seconds)
+        out[name] = (padding_fraction(rows, sum(sizes), seq_len), rows, seconds)
     return out
 
 

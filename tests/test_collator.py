@@ -311,5 +311,5 @@ def test_from_flattened_keeps_separator_labels_and_validates():
         from_flattened({"input_ids": [[1, 2], [3, 4]], "position_ids": [[0, 1], [0, 1]]})
     with pytest.raises(ValueError, match=r"cp_rank=3 must be an int in \[0, cp_size=2\)"):
         from_flattened(hf, cp_size=2, cp_rank=3)
-    with pytest.raises(ValueError, match="cu_seq_lens end at 3"):
+    with pytest.raises(ValueError, match="cu_seq_lens_k ends at 3, but the row has 4 tokens"):
         from_flattened({"input_ids": [[1, 2, 3, 4]], "cu_seq_lens_k": [0, 3]})

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import importlib.util
 import math
 import random
+from pathlib import Path
 
 import pytest
 import torch
@@ -11,17 +13,22 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from hf_blockdiag_cp import PackingCollator
-from hf_blockdiag_cp.data.packing import (
-    Piece,
-    best_fit_decreasing,
-    first_fit,
-    next_fit,
-    pack_pieces,
-    padding_fraction,
-    split_overflow,
-)
+from hf_blockdiag_cp.data.packing import Piece, best_fit_decreasing, pack_pieces, split_overflow
 
 FAST = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+
+def _load_bench():
+    """benchmarks/bench_packing.py, home of the greedy baselines best-fit-decreasing is compared with."""
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_packing.py"
+    spec = importlib.util.spec_from_file_location("bench_packing", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+bench = _load_bench()
+first_fit, next_fit, padding_fraction = bench.first_fit, bench.next_fit, bench.padding_fraction
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -81,15 +88,16 @@ def test_first_fit_and_next_fit_by_hand():
     assert best_fit_decreasing(sizes, 10) == [[6, 0], [3, 5], [1, 2, 4]]
     assert next_fit([6, 5, 4, 3], 10) == [[0], [1, 2], [3]]
     assert best_fit_decreasing([6, 5, 4, 3], 10) == [[0, 2], [1, 3]]
-    assert padding_fraction([[0, 2], [1, 3]], [6, 5, 4, 3], 10) == pytest.approx(0.1)
-    assert padding_fraction([], [], 10) == 0.0
+    assert padding_fraction(2, 18, 10) == pytest.approx(0.1)
+    assert padding_fraction(0, 0, 10) == 0.0
 
 
 @pytest.mark.parametrize("bad", [[0], [11], [-1]])
-def test_packers_reject_sizes_outside_capacity(bad):
-    for packer in (best_fit_decreasing, first_fit, next_fit):
-        with pytest.raises(ValueError, match=r"sizes\[0\]"):
-            packer(bad, 10)
+def test_best_fit_decreasing_rejects_sizes_outside_capacity(bad):
+    with pytest.raises(ValueError, match=r"sizes\[0\]"):
+        best_fit_decreasing(bad, 10)
+    with pytest.raises(ValueError, match="capacity=0"):
+        best_fit_decreasing([1], 0)
 
 
 def realistic_lengths(n: int, seed: int, seq_len: int) -> list[int]:
@@ -101,7 +109,7 @@ def realistic_lengths(n: int, seed: int, seq_len: int) -> list[int]:
 def test_best_fit_decreasing_no_worse_than_greedy_on_realistic_lengths(seed):
     seq_len = 1024
     sizes = [p.length for p in split_overflow(realistic_lengths(600, seed, seq_len), seq_len)]
-    pads = {p.__name__: padding_fraction(p(sizes, seq_len), sizes, seq_len)
+    pads = {p.__name__: padding_fraction(len(p(sizes, seq_len)), sum(sizes), seq_len)
             for p in (best_fit_decreasing, first_fit, next_fit)}
     assert pads["best_fit_decreasing"] <= pads["first_fit"] <= pads["next_fit"]
     assert pads["best_fit_decreasing"] < 0.02  # near the ceil(sum/capacity) bound at this size

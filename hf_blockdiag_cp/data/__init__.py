@@ -8,12 +8,11 @@ from .collator import PackingCollator
 from .dataset import PackedDataset
 from .examples import Document, read_example
 from .flattened import from_flattened
-from .packing import OVERFLOW_MODES, Piece, best_fit_decreasing, first_fit, next_fit, padding_fraction, split_overflow
+from .packing import OVERFLOW_MODES, Piece, best_fit_decreasing, split_overflow
 from .rows import FullRows, PackedRow, assemble_rows, shift_row_labels
-from .sharding import BATCH_KEYS, rank_batch, resolve_cp
+from .sharding import rank_batch, resolve_cp
 
 __all__ = [
-    "BATCH_KEYS",
     "Document",
     "FullRows",
     "OVERFLOW_MODES",
@@ -23,10 +22,7 @@ __all__ = [
     "Piece",
     "assemble_rows",
     "best_fit_decreasing",
-    "first_fit",
     "from_flattened",
-    "next_fit",
-    "padding_fraction",
     "rank_batch",
     "read_example",
     "resolve_cp",

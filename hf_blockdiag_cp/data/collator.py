@@ -6,10 +6,11 @@ import logging
 from collections.abc import Sequence
 from typing import Any
 
+from .._validate import check_int
 from ..config import BlockDiagCPConfig
 from ..distributed.groups import group_to_ref, ref_to_group
-from .examples import Document, read_example
-from .packing import OVERFLOW_MODES, pack_pieces, split_overflow
+from .examples import read_example
+from .packing import check_overflow, rows_of_documents
 from .rows import PackedRow, assemble_rows
 from .sharding import rank_batch, resolve_cp, row_multiple
 
@@ -47,24 +48,16 @@ class PackingCollator:
                  pad_token_id: int, label_pad_id: int = -100, pad_to_multiple_of: int | None = None,
                  overflow: str = "split", config: BlockDiagCPConfig | None = None) -> None:
         self.cp_rank, self.cp_size, self.group = resolve_cp(group, cp_rank, cp_size)
-        if isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len < 1:
-            raise ValueError(f"seq_len={seq_len!r} must be an int >= 1")
+        self.seq_len = check_int("seq_len", seq_len, minimum=1)
         multiple = row_multiple(self.cp_size, pad_to_multiple_of)
         if seq_len % multiple:
             raise ValueError(f"seq_len={seq_len} is not divisible by cp_size * pad_to_multiple_of = "
                              f"{self.cp_size} * {pad_to_multiple_of or 1} = {multiple}")
-        if isinstance(pad_token_id, bool) or not isinstance(pad_token_id, int) or pad_token_id < 0:
-            raise ValueError(f"pad_token_id={pad_token_id!r} must be an int >= 0 (e.g. tokenizer.pad_token_id "
-                             f"or eos_token_id)")
-        if isinstance(label_pad_id, bool) or not isinstance(label_pad_id, int):
-            raise ValueError(f"label_pad_id={label_pad_id!r} must be an int")
-        if overflow not in OVERFLOW_MODES:
-            raise ValueError(f"overflow={overflow!r} is not one of {', '.join(OVERFLOW_MODES)}")
-        self.seq_len = seq_len
-        self.pad_token_id = pad_token_id
-        self.label_pad_id = label_pad_id
+        self.pad_token_id = check_int("pad_token_id", pad_token_id, minimum=0,
+                                      hint="e.g. tokenizer.pad_token_id or eos_token_id")
+        self.label_pad_id = check_int("label_pad_id", label_pad_id)
         self.pad_to_multiple_of = pad_to_multiple_of
-        self.overflow = overflow
+        self.overflow = check_overflow(overflow)
         self.config = config or BlockDiagCPConfig()
 
     def __getstate__(self) -> dict[str, Any]:
@@ -143,9 +136,3 @@ class PackingCollator:
                 raise ValueError(f"example {i}: PackedRow holds no documents")
         return list(rows)
 
-
-def rows_of_documents(docs: Sequence[Document], seq_len: int, overflow: str) -> list[PackedRow]:
-    """Split over-long documents per ``overflow`` and pack best-fit-decreasing into rows (``docs[i].index``
-    names them in errors)."""
-    pieces = split_overflow([len(d) for d in docs], seq_len, overflow, indices=[d.index for d in docs])
-    return [PackedRow(tuple(docs[p.doc].piece(p.start, p.length) for p in row)) for row in pack_pieces(pieces, seq_len)]

@@ -13,9 +13,9 @@ from typing import Any
 
 import torch
 
-from .collator import rows_of_documents
+from .._validate import check_int
 from .examples import Document, read_example
-from .packing import OVERFLOW_MODES
+from .packing import check_overflow, rows_of_documents
 from .rows import PackedRow
 
 __all__ = ["PackedDataset"]
@@ -44,19 +44,13 @@ class PackedDataset(torch.utils.data.IterableDataset):
     def __init__(self, examples: Iterable[Any], seq_len: int, *, overflow: str = "split", buffer_size: int = 1000,
                  label_pad_id: int = -100, seed: int | None = None) -> None:
         super().__init__()
-        if isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len < 1:
-            raise ValueError(f"seq_len={seq_len!r} must be an int >= 1")
-        if overflow not in OVERFLOW_MODES:
-            raise ValueError(f"overflow={overflow!r} is not one of {', '.join(OVERFLOW_MODES)}")
-        if isinstance(buffer_size, bool) or not isinstance(buffer_size, int) or buffer_size < 1:
-            raise ValueError(f"buffer_size={buffer_size!r} must be an int >= 1")
+        self.seq_len = check_int("seq_len", seq_len, minimum=1)
+        self.overflow = check_overflow(overflow)
+        self.buffer_size = check_int("buffer_size", buffer_size, minimum=1)
         if iter(examples) is examples:
             raise ValueError("examples must be re-iterable (a list or dataset, not an iterator/generator): "
                              "every epoch and every DataLoader worker iterates it from the start")
         self.examples = examples
-        self.seq_len = seq_len
-        self.overflow = overflow
-        self.buffer_size = buffer_size
         self.label_pad_id = label_pad_id
         self.seed = seed
         self.epoch = 0

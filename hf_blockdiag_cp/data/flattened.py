@@ -8,7 +8,7 @@ from typing import Any
 import torch
 
 from ..config import BlockDiagCPConfig
-from ..planning import doc_ids_from_cu_seqlens, doc_ids_from_position_ids
+from ..planning.documents import doc_ids_from_flattening, run_boundaries, run_starts
 from .examples import token_tensor
 from .rows import FullRows, shift_row_labels
 from .sharding import rank_batch, resolve_cp, row_multiple
@@ -35,11 +35,11 @@ def from_flattened(batch: Mapping[str, Any], *, cp_size: int | None = None, cp_r
     """Turn a ``DataCollatorWithFlattening`` batch into this CP rank's batch (the :class:`PackingCollator` format).
 
     Args:
-        batch: ``input_ids [1, T]``; document boundaries from ``cu_seq_lens_k`` (or ``cu_seq_lens_q``),
-            else ``seq_idx``, else ``position_ids`` (a new document wherever the position does not
-            continue by +1). ``labels [1, T]`` are HF's unshifted labels (``separator_id``, by default
-            -100, at each document's first token); without them they are ``input_ids`` with -100 at
-            document starts. ``position_ids`` are kept (else they restart at 0 per document).
+        batch: ``input_ids [1, T]``; document boundaries from ``cu_seq_lens_k`` / ``cu_seq_lens_q``
+            (equal when both are given, ending at ``T``), else ``seq_idx``, else ``position_ids`` (a new
+            document wherever the position does not continue by +1). ``labels [1, T]`` are HF's
+            unshifted labels (``separator_id``, by default -100, at each document's first token);
+            without them they are ``input_ids`` with -100 at document starts. ``position_ids`` are kept (else they restart at 0 per document).
         cp_size / cp_rank / group: as for :class:`PackingCollator`.
         pad_token_id / label_pad_id: fill values of the tail padding (``-100`` and ``label_pad_id``
             in ``labels`` both count as ignored).
@@ -65,34 +65,17 @@ def from_flattened(batch: Mapping[str, Any], *, cp_size: int | None = None, cp_r
         raise ValueError(f"batch: input_ids contains a negative token id {int(input_ids.min())}")
     full_len = -(-total // multiple) * multiple
 
-    cu = _row(batch, "cu_seq_lens_k")
-    cu = _row(batch, "cu_seq_lens_q") if cu is None else cu
-    seq_idx = _row(batch, "seq_idx")
     position_ids = _row(batch, "position_ids")
-    for name, value in (("position_ids", position_ids), ("seq_idx", seq_idx)):
-        if value is not None and value.numel() != total:
-            raise ValueError(f"batch: {name} has length {value.numel()} but input_ids has length {total}")
-    if cu is not None:
-        if int(cu[-1]) != total:
-            raise ValueError(f"batch: cu_seq_lens end at {int(cu[-1])} but input_ids has {total} tokens")
-        doc_ids = doc_ids_from_cu_seqlens(cu, total, name="cu_seq_lens_k")
-    elif seq_idx is not None:
-        change = torch.ones(total, dtype=torch.bool)
-        change[1:] = seq_idx[1:] != seq_idx[:-1]
-        doc_ids = torch.cumsum(change.to(torch.int64), 0)
-    elif position_ids is not None:
-        doc_ids = doc_ids_from_position_ids(position_ids)[0]
-    else:
-        raise ValueError("batch: needs cu_seq_lens_k, seq_idx or position_ids to find the document boundaries")
-    starts = torch.ones(total, dtype=torch.bool)
-    starts[1:] = doc_ids[1:] != doc_ids[:-1]
+    doc_ids = doc_ids_from_flattening(total, cu_seq_lens_q=_row(batch, "cu_seq_lens_q"),
+                                      cu_seq_lens_k=_row(batch, "cu_seq_lens_k"), seq_idx=_row(batch, "seq_idx"),
+                                      position_ids=position_ids)
     if position_ids is None:
-        index = torch.arange(total)
-        position_ids = index - torch.cummax(torch.where(starts, index, torch.zeros_like(index)), 0).values
+        position_ids = torch.arange(total) - run_starts(doc_ids)
 
     labels = _row(batch, "labels")
     if labels is None:
-        labels = input_ids.masked_fill(starts, -100)  # HF's rule: a document's first token has no predictor
+        # HF's rule: a document's first token has no predictor.
+        labels = input_ids.masked_fill(run_boundaries(doc_ids), -100)
     elif labels.numel() != total:
         raise ValueError(f"batch: labels has length {labels.numel()} but input_ids has length {total}")
     ignored = (labels == -100) | (labels == label_pad_id)

@@ -1,9 +1,14 @@
-"""Packing document lengths into rows: pure functions on integers (no tensors, no I/O).
+"""Packing documents into rows.
 
 - :func:`split_overflow` turns document lengths into pieces of at most ``capacity`` tokens
-  (``overflow="split" | "truncate" | "error"``); empty documents give no piece.
-- :func:`best_fit_decreasing` (what the collator uses) and :func:`first_fit` / :func:`next_fit`
-  (greedy baselines for the benchmark) put item sizes into bins of ``capacity``.
+  (``overflow="split" | "truncate" | "error"``, checked by :func:`check_overflow`); empty documents
+  give no piece.
+- :func:`best_fit_decreasing` puts item sizes into bins of ``capacity``; :func:`pack_pieces` applies
+  it to pieces.
+- :func:`rows_of_documents` does both for :class:`Document` items and returns :class:`PackedRow`
+  items (what :class:`PackingCollator` and :class:`PackedDataset` use).
+
+All but the last are pure functions on integers (no tensors, no I/O).
 """
 
 from __future__ import annotations
@@ -12,18 +17,28 @@ import bisect
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from .._validate import check_int
+from .examples import Document
+from .rows import PackedRow
+
 __all__ = [
     "OVERFLOW_MODES",
     "Piece",
     "best_fit_decreasing",
-    "first_fit",
-    "next_fit",
+    "check_overflow",
     "pack_pieces",
-    "padding_fraction",
+    "rows_of_documents",
     "split_overflow",
 ]
 
 OVERFLOW_MODES: tuple[str, ...] = ("split", "truncate", "error")
+
+
+def check_overflow(overflow: str) -> str:
+    """Return ``overflow`` if it is one of :data:`OVERFLOW_MODES`, else raise ``ValueError`` naming it."""
+    if overflow not in OVERFLOW_MODES:
+        raise ValueError(f"overflow={overflow!r} is not one of {', '.join(OVERFLOW_MODES)}")
+    return overflow
 
 
 @dataclass(frozen=True)
@@ -52,10 +67,8 @@ def split_overflow(lengths: Sequence[int], capacity: int, overflow: str = "split
     Returns:
         Pieces in document order, then in token order.
     """
-    if overflow not in OVERFLOW_MODES:
-        raise ValueError(f"overflow={overflow!r} is not one of {', '.join(OVERFLOW_MODES)}")
-    if capacity < 1:
-        raise ValueError(f"capacity={capacity} must be >= 1")
+    check_overflow(overflow)
+    check_int("capacity", capacity, minimum=1)
     pieces: list[Piece] = []
 
     def name(doc: int) -> str:
@@ -75,14 +88,6 @@ def split_overflow(lengths: Sequence[int], capacity: int, overflow: str = "split
     return pieces
 
 
-def _check_sizes(sizes: Sequence[int], capacity: int) -> None:
-    if capacity < 1:
-        raise ValueError(f"capacity={capacity} must be >= 1")
-    for i, size in enumerate(sizes):
-        if not 1 <= size <= capacity:
-            raise ValueError(f"sizes[{i}]={size} must be in [1, capacity={capacity}]")
-
-
 def best_fit_decreasing(sizes: Sequence[int], capacity: int) -> list[list[int]]:
     """Best-fit-decreasing bin packing.
 
@@ -93,7 +98,10 @@ def best_fit_decreasing(sizes: Sequence[int], capacity: int) -> list[list[int]]:
     Returns:
         Item indices per bin, bins in opening order, items in the order they were placed.
     """
-    _check_sizes(sizes, capacity)
+    check_int("capacity", capacity, minimum=1)
+    for i, size in enumerate(sizes):
+        if not 1 <= size <= capacity:
+            raise ValueError(f"sizes[{i}]={size} must be in [1, capacity={capacity}]")
     order = sorted(range(len(sizes)), key=lambda i: (-sizes[i], i))
     free: list[tuple[int, int]] = []  # (room left, bin) sorted: bisect finds the tightest fit
     bins: list[list[int]] = []
@@ -111,47 +119,15 @@ def best_fit_decreasing(sizes: Sequence[int], capacity: int) -> list[list[int]]:
     return bins
 
 
-def first_fit(sizes: Sequence[int], capacity: int) -> list[list[int]]:
-    """Greedy first-fit in arrival order: each item goes into the earliest bin with room (baseline)."""
-    _check_sizes(sizes, capacity)
-    bins: list[list[int]] = []
-    room: list[int] = []
-    for item, size in enumerate(sizes):
-        for b, left in enumerate(room):
-            if left >= size:
-                break
-        else:
-            b = len(bins)
-            bins.append([])
-            room.append(capacity)
-        bins[b].append(item)
-        room[b] -= size
-    return bins
-
-
-def next_fit(sizes: Sequence[int], capacity: int) -> list[list[int]]:
-    """Sequential greedy packing: fill the current bin in arrival order, open a new one when an
-    item does not fit (what "concatenate and cut" pipelines do when they must not cut documents)."""
-    _check_sizes(sizes, capacity)
-    bins: list[list[int]] = []
-    room = 0
-    for item, size in enumerate(sizes):
-        if size > room:
-            bins.append([])
-            room = capacity
-        bins[-1].append(item)
-        room -= size
-    return bins
-
-
-def padding_fraction(bins: Sequence[Sequence[int]], sizes: Sequence[int], capacity: int) -> float:
-    """Fraction of the ``len(bins) * capacity`` slots left as padding (0 for no bins)."""
-    total = len(bins) * capacity
-    return 0.0 if total == 0 else 1.0 - sum(sizes[i] for b in bins for i in b) / total
-
-
 def pack_pieces(pieces: Sequence[Piece], capacity: int) -> list[list[Piece]]:
     """Best-fit-decreasing rows of pieces; inside a row, pieces keep their input order (document
     order), so document ids grow with the source index."""
     bins = best_fit_decreasing([p.length for p in pieces], capacity)
     return [[pieces[i] for i in sorted(b)] for b in bins]
+
+
+def rows_of_documents(docs: Sequence[Document], seq_len: int, overflow: str) -> list[PackedRow]:
+    """Split over-long documents per ``overflow`` and pack best-fit-decreasing into rows of ``seq_len``
+    tokens (``docs[i].index`` names them in errors)."""
+    pieces = split_overflow([len(d) for d in docs], seq_len, overflow, indices=[d.index for d in docs])
+    return [PackedRow(tuple(docs[p.doc].piece(p.start, p.length) for p in row)) for row in pack_pieces(pieces, seq_len)]

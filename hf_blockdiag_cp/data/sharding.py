@@ -8,15 +8,12 @@ from __future__ import annotations
 
 from typing import Any
 
+from .._validate import check_int
 from ..config import BlockDiagCPConfig
 from ..context import BlockDiagCPContext
 from .rows import FullRows
 
-__all__ = ["BATCH_KEYS", "rank_batch", "resolve_cp", "row_multiple"]
-
-#: Keys of every batch dict the collators return (all accepted by ``XForCausalLM.forward``).
-BATCH_KEYS: tuple[str, ...] = ("input_ids", "position_ids", "labels", "shift_labels", "num_items_in_batch",
-                               "cp_context", "use_cache")
+__all__ = ["rank_batch", "resolve_cp", "row_multiple"]
 
 
 def resolve_cp(group: Any, cp_rank: int | None, cp_size: int | None) -> tuple[int, int, Any]:
@@ -46,24 +43,19 @@ def resolve_cp(group: Any, cp_rank: int | None, cp_size: int | None) -> tuple[in
         if cp_rank is not None and cp_rank != group_rank:
             raise ValueError(f"cp_rank={cp_rank} disagrees with this process's rank {group_rank} in the group")
         cp_rank, cp_size = group_rank, group_size
-    if cp_size is None:
-        cp_size = 1
-    if isinstance(cp_size, bool) or not isinstance(cp_size, int) or cp_size < 1:
-        raise ValueError(f"cp_size={cp_size!r} must be an int >= 1")
+    cp_size = check_int("cp_size", 1 if cp_size is None else cp_size, minimum=1)
     if cp_rank is None:
         if cp_size > 1:
             raise ValueError(f"cp_rank is required with cp_size={cp_size} when no group is given")
         cp_rank = 0
-    if isinstance(cp_rank, bool) or not isinstance(cp_rank, int) or not 0 <= cp_rank < cp_size:
-        raise ValueError(f"cp_rank={cp_rank!r} must be an int in [0, cp_size={cp_size})")
+    check_int("cp_rank", cp_rank, minimum=0, below=("cp_size", cp_size))
     return cp_rank, cp_size, process_group
 
 
 def row_multiple(cp_size: int, pad_to_multiple_of: int | None) -> int:
     """Rows are a multiple of this many tokens: every rank's shard is a multiple of ``pad_to_multiple_of``."""
-    value = pad_to_multiple_of
-    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-        raise ValueError(f"pad_to_multiple_of={pad_to_multiple_of!r} must be None or an int >= 1")
+    if pad_to_multiple_of is not None:
+        check_int("pad_to_multiple_of", pad_to_multiple_of, minimum=1, hint="or None")
     return cp_size * (pad_to_multiple_of or 1)
 
 

@@ -14,6 +14,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
+from .._validate import check_int
+
 __all__ = ["cp_coordinates", "init_device_mesh"]
 
 
@@ -29,8 +31,7 @@ def init_device_mesh(cp_size: int, *, device_type: str | None = None) -> DeviceM
     CP group must see the same documents). If ``torch.distributed`` is not initialised yet but the
     launcher's environment is set (``WORLD_SIZE``), it is initialised here (NCCL with CUDA, else gloo).
     """
-    if isinstance(cp_size, bool) or not isinstance(cp_size, int) or cp_size < 1:
-        raise ValueError(f"cp_size={cp_size!r} must be an int >= 1")
+    check_int("cp_size", cp_size, minimum=1)
     if not dist.is_initialized():
         if "WORLD_SIZE" not in os.environ:
             raise RuntimeError("init_device_mesh needs torch.distributed: launch with `accelerate launch` or "
