@@ -91,10 +91,25 @@ def _mismatch_worker(rank: int, world: int) -> None:
                                                              use_cache=False)
 
 
-def test_ranks_with_different_data_all_raise_before_exchanging():
-    outcome = run_ranks(_mismatch_worker, 2, timeout=120, expect_failure=True)
+def _collated_mismatch_worker(rank: int, world: int) -> None:
+    import torch
+    import torch.distributed as dist
+
+    import hf_blockdiag_cp as bd
+    from tests.reference import tiny_model
+
+    # The same document lengths (the same layout) but other tokens on each rank, through the collator.
+    gen = torch.Generator().manual_seed(100 + rank)
+    docs = [{"input_ids": torch.randint(1, 97, (n,), generator=gen).tolist()} for n in (5, 11, 7)]
+    batch = bd.PackingCollator(24, group=dist.group.WORLD, pad_token_id=0)(docs)
+    tiny_model("llama", attn_implementation="blockdiag_cp")(**batch)
+
+
+@pytest.mark.parametrize("worker", [_mismatch_worker, _collated_mismatch_worker], ids=["context", "collator"])
+def test_ranks_with_different_data_all_raise_before_exchanging(worker):
+    outcome = run_ranks(worker, 2, timeout=120, expect_failure=True)
     for status, message in outcome:
-        assert status == "error" and "AgreementError" in message and "different packed rows" in message
+        assert status == "error" and "AgreementError" in message and "different packed rows" in message, message
 
 
 def _sync_worker(rank: int, world: int) -> list[list[str]]:

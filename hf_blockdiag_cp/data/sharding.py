@@ -8,6 +8,9 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+
 from .._validate import check_int
 from ..config import BlockDiagCPConfig
 from ..context import BlockDiagCPContext
@@ -23,16 +26,12 @@ def resolve_cp(group: Any, cp_rank: int | None, cp_size: int | None) -> tuple[in
     """
     process_group = group
     if group is not None:
-        from torch.distributed.device_mesh import DeviceMesh
-
         if isinstance(group, DeviceMesh):
             if group.ndim != 1:
                 raise ValueError(f"group: a DeviceMesh must be 1-D (the CP dimension), got {group.ndim}-D "
                                  f"{group.mesh_dim_names}; pass mesh['cp']")
             group_rank, group_size, process_group = group.get_local_rank(), group.size(), group.get_group()
         else:
-            import torch.distributed as dist
-
             if not dist.is_initialized():
                 raise ValueError("group: torch.distributed is not initialized")
             group_rank, group_size = dist.get_rank(group), dist.get_world_size(group)
@@ -71,7 +70,10 @@ def rank_batch(full: FullRows, *, cp_rank: int, cp_size: int, group: Any = None,
     batch, full_len = full.input_ids.shape
     if cp_size > 1 and batch != 1:
         raise ValueError(f"under context parallelism a micro-batch is one packed row, got {batch} rows")
-    context = BlockDiagCPContext.build(full.doc_ids, cp_rank=cp_rank, cp_size=cp_size, group=group, config=config)
+    # The tokens join the data fingerprint: CP ranks given different rows with the same layout fail
+    # the step's agreement instead of training on different data.
+    context = BlockDiagCPContext.build(full.doc_ids, cp_rank=cp_rank, cp_size=cp_size, group=group, config=config,
+                                       input_ids=full.input_ids)
     local = slice(context.row_offset, context.row_offset + context.local_len)
     return {
         "input_ids": full.input_ids[:, local].contiguous(),

@@ -13,6 +13,7 @@ import os
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.device_mesh import init_device_mesh as torch_init_device_mesh
 
 from .._validate import check_int
 
@@ -42,7 +43,6 @@ def init_device_mesh(cp_size: int, *, device_type: str | None = None) -> DeviceM
         raise ValueError(f"the world size {world} is not divisible by cp_size={cp_size}")
     if device_type is None:
         device_type = "cuda" if dist.get_backend() == "nccl" else "cpu"
-    from torch.distributed.device_mesh import init_device_mesh as torch_init_device_mesh
 
     return torch_init_device_mesh(device_type, (world // cp_size, cp_size), mesh_dim_names=("dp", "cp"))
 
