@@ -50,7 +50,7 @@ STRADDLING = ["straddle_then_docs", "straddle_only", "b2_straddle_and_padding_ro
 def _inputs(layout: str, *, heads: tuple[int, int] = (8, 2), dim: int = 32, dim_v: int | None = None,
             dtype: torch.dtype = torch.float32, sinks: bool = False, seed: int = 0):
     """``q [B,Hq,L,D]``, ``k [B,Hkv,S,D]``, ``v [B,Hkv,S,Dv]`` (transposed views, as transformers passes
-    them), ``sinks [Hq]`` float32 or None (all requiring grad), ids, offset."""
+    them), ``sinks [Hq]`` or None (all requiring grad), ids, offset."""
     doc, offset, local_len = LAYOUTS[layout]
     ids = torch.tensor(doc)
     batch = ids.shape[0] if ids.dim() == 2 else 1
@@ -60,7 +60,9 @@ def _inputs(layout: str, *, heads: tuple[int, int] = (8, 2), dim: int = 32, dim_
     k = torch.randn(batch, full_len, heads[1], dim, generator=gen).to(dtype).transpose(1, 2)
     v = torch.randn(batch, full_len, heads[1], dim_v or dim, generator=gen).to(dtype).transpose(1, 2)
     # Sinks of the size of typical scores, so that they move the result (checked in _check).
-    s = (1.5 * torch.randn(heads[0], generator=gen)).requires_grad_() if sinks else None
+    # A float32 parameter, as in a bf16 model under autocast (float64 with float64 activations).
+    sink_dtype = torch.float64 if dtype == torch.float64 else torch.float32
+    s = (1.5 * torch.randn(heads[0], generator=gen)).to(sink_dtype).requires_grad_() if sinks else None
     return [t.requires_grad_() for t in (q, k, v)], s, ids, offset
 
 
@@ -110,7 +112,7 @@ def _check(backend: str, layout: str, *, heads=(8, 2), dim=32, dim_v=None, windo
 
 
 def _close(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype, atol: float, what: str) -> None:
-    if dtype == torch.float32:
+    if dtype in (torch.float32, torch.float64):
         torch.testing.assert_close(got.double(), want, atol=atol, rtol=0, msg=lambda m: f"{what}: {m}")
         return
     # bf16: no kernel beats rounding the exact result once; gradients also pass rounded P and dS.
@@ -240,6 +242,15 @@ def test_bad_feature_arguments_raise_early():
         _attend("sdpa_doc", q, k, v, ids, offset, softcap=-1.0)
     with pytest.raises(BackendUnavailable, match="dropout"):
         _attend("sdpa_doc", q, k, v, ids, offset, sinks=s, dropout_p=0.1)
+
+
+@pytest.mark.parametrize("dim_v,window,softcap,sinks", [(32, None, None, False), (24, None, None, False),
+                                                        (24, 11, 0.7, True)],
+                         ids=["plain", "value_dim", "window_softcap_sinks"])
+def test_float64_stays_float64(dim_v, window, softcap, sinks):
+    """float64 in, float64 throughout (the straddling segment's flash merge once computed in float32)."""
+    _check("sdpa_doc", "straddle_then_docs", dim_v=dim_v, window=window, softcap=softcap, sinks=sinks,
+           dtype=torch.float64, atol=1e-10)
 
 
 # ---------------------------------------------------------------------------------------------
