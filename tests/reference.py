@@ -12,12 +12,16 @@ import torch
 
 
 def dense_reference(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, doc_ids: torch.Tensor | Sequence[int],
-                    row_offset: int = 0, *, window: int | None = None, scale: float | None = None) -> torch.Tensor:
+                    row_offset: int = 0, *, window: int | None = None, scale: float | None = None,
+                    softcap: float | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Float64 block-diagonal causal attention by brute force.
 
-    ``query [B,Hq,L,D]`` at global positions ``[row_offset, row_offset+L)``, ``key/value [B,Hkv,S,D]``
-    at ``[0, S)``, ``doc_ids [S]`` or ``[B,S]`` (0 = padding, a document = maximal run of one id).
-    Padding query rows (and rows that see nothing) are 0. Returns ``[B,Hq,L,Dv]`` float64.
+    ``query [B,Hq,L,D]`` at global positions ``[row_offset, row_offset+L)``, ``key [B,Hkv,S,D]`` and
+    ``value [B,Hkv,S,Dv]`` at ``[0, S)``, ``doc_ids [S]`` or ``[B,S]`` (0 = padding, a document =
+    maximal run of one id). ``softcap``: scores become ``softcap * tanh(scores / softcap)`` before
+    masking (gemma2). ``sinks [Hq]``: one extra logit per head in every row's softmax, whose
+    probability is dropped (gpt-oss ``s_aux``). Padding query rows (and rows that see nothing) are 0.
+    Returns ``[B,Hq,L,Dv]`` float64 (differentiable w.r.t. float64 inputs, ``sinks`` included).
     """
     batch, num_q_heads, local_len, head_dim = query.shape
     full_len = key.shape[2]
@@ -39,8 +43,14 @@ def dense_reference(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     k64 = key.double().repeat_interleave(groups, dim=1)
     v64 = value.double().repeat_interleave(groups, dim=1)
     scores = q64 @ k64.transpose(-1, -2) * (head_dim ** -0.5 if scale is None else scale)
+    if softcap is not None:
+        scores = softcap * torch.tanh(scores / softcap)
     scores = scores.masked_fill(~allowed[:, None], float("-inf"))
-    probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)
+    if sinks is not None:
+        sink_column = sinks.double().view(1, -1, 1, 1).expand(batch, -1, local_len, 1)
+        probs = torch.softmax(torch.cat([scores, sink_column], dim=-1), dim=-1)[..., :-1]
+    else:
+        probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)
     return probs @ v64
 
 

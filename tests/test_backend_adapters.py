@@ -380,14 +380,15 @@ def test_unknown_backend_lists_names(real_imports):
         unavailable_reason("nope", CPU_SPEC)
 
 
-def test_softcap_on_cpu_training_is_unavailable(real_imports):
-    spec = KernelSpec("cpu", torch.float32, 64, 64, 8, 2, softcap=30.0, requires_grad=True)
+def test_softcap_on_cpu_with_dropout_is_unavailable(real_imports):
+    # sdpa_doc softcaps exactly (training and inference), but applies no dropout with it.
+    assert choose_backend("auto", KernelSpec("cpu", torch.float32, 64, 64, 8, 2, softcap=30.0,
+                                             requires_grad=True)) == ("sdpa_doc", None)
+    spec = KernelSpec("cpu", torch.float32, 64, 64, 8, 2, softcap=30.0, dropout_p=0.1, requires_grad=True)
     with pytest.raises(BackendUnavailable) as err:
         choose_backend("auto", spec)
     assert isinstance(err.value, NotImplementedError)
     assert "sdpa_doc" in str(err.value) and "softcap" in str(err.value)
-    # Inference has a last resort that softcaps exactly: flex.
-    assert choose_backend("auto", KernelSpec("cpu", torch.float32, 64, 64, 8, 2, softcap=30.0)) == ("flex", None)
 
 
 # ---------------------------------------------------------------------------------------------

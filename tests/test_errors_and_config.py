@@ -141,5 +141,5 @@ def test_unsupported_features_raise_instead_of_computing_something_else():
     with pytest.raises(NotImplementedError, match="sinks"):
         blockdiag_cp_attention(module, q, k, v, None, s_aux=torch.zeros(4))
     q.requires_grad_()
-    with pytest.raises(BackendUnavailable, match="softcap"):
-        blockdiag_cp_attention(module, q, k, v, None, softcap=30.0)
+    with pytest.raises(BackendUnavailable, match="softcap"):  # CPU softcap exists, but not with dropout
+        blockdiag_cp_attention(module, q, k, v, None, softcap=30.0, dropout=0.1)

@@ -11,6 +11,10 @@ device, dtype, features; it never launches a kernel) and ``attention(q, k, v, ca
 - semantics: per segment, bottom-right causal attention (query ``i`` of a segment with ``q_len``
   queries and ``k_len`` keys sees keys ``j <= k_len - q_len + i``), optionally limited to a
   sliding window of ``window`` keys (``j > k_len - q_len + i - window``, transformers' convention);
+- optional features, each reported by ``unavailable_reason`` when a backend lacks it: ``Dv != D``
+  (``KernelSpec.value_dim``), logit softcapping (``softcap * tanh(scale * q.k / softcap)`` before the
+  mask and softmax, gemma2), attention sinks (``KernelCall.sinks [Hq]``: one learned logit per query
+  head that joins every row's softmax denominator and carries no value, gpt-oss ``s_aux``);
 - returns ``[Tq, Hq, Dv]``.
 """
 
@@ -43,6 +47,7 @@ class KernelSpec:
     window: int | None = None
     softcap: float | None = None
     requires_grad: bool = False
+    sinks: bool = False  # whether the call passes KernelCall.sinks
 
 
 @dataclass(frozen=True, eq=False)
@@ -56,11 +61,22 @@ class KernelCall:
     softcap: float | None = None
     deterministic: bool = False
     flash_prefix_guard: bool = True
+    # [Hq] attention-sink logits (any float dtype; gradients flow back to it), or None.
+    sinks: torch.Tensor | None = None
 
     @property
     def causal_window(self) -> tuple[int, int]:
         """``(left, right)`` window in the flash convention: ``(-1, 0)`` causal, ``(w - 1, 0)`` windowed."""
         return (-1, 0) if self.window is None else (self.window - 1, 0)
+
+
+def reject_unsupported(call: KernelCall, backend: str, *, softcap: bool = False, sinks: bool = False) -> None:
+    """Raise :class:`BackendUnavailable` when ``call`` asks ``backend`` for a feature it lacks (the
+    availability check should have said so; this keeps a direct call from silently ignoring it)."""
+    if call.softcap is not None and not softcap:
+        raise BackendUnavailable(f"backend {backend!r} has no logit softcapping (softcap={call.softcap})")
+    if call.sinks is not None and not sinks:
+        raise BackendUnavailable(f"backend {backend!r} has no attention sinks")
 
 
 def cuda_half_reason(spec: KernelSpec, library: str) -> str | None:

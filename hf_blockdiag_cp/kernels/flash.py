@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from ._imports import optional_import
-from .base import KernelCall, KernelSpec, cuda_half_reason
+from .base import KernelCall, KernelSpec, cuda_half_reason, reject_unsupported
 
 NAME = "flash"
 MODULE = "flash_attn"
@@ -29,6 +29,8 @@ def unavailable_reason(spec: KernelSpec) -> str | None:
         return reason
     if spec.head_dim > 256 or spec.head_dim != spec.value_dim:
         return f"flash-attn needs head_dim == value_dim <= 256, got {spec.head_dim}/{spec.value_dim}"
+    if spec.sinks:
+        return "flash-attn 2 has no attention sinks"
     return None
 
 
@@ -87,6 +89,7 @@ def _build_guard(call: KernelCall) -> _Guard:
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, call: KernelCall) -> torch.Tensor:
+    reject_unsupported(call, NAME, softcap=True)
     fa, reason = optional_import(MODULE)
     if fa is None:
         raise RuntimeError(reason)

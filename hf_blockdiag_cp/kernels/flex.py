@@ -13,7 +13,7 @@ import functools
 import torch
 
 from ._imports import optional_import
-from .base import KernelCall, KernelSpec, token_coordinates, visible
+from .base import KernelCall, KernelSpec, reject_unsupported, token_coordinates, visible
 
 NAME = "flex"
 MODULE = "torch.nn.attention.flex_attention"
@@ -31,6 +31,8 @@ def unavailable_reason(spec: KernelSpec) -> str | None:
         return "flex_attention has no dropout"
     if not spec.dtype.is_floating_point:
         return f"flex_attention needs a floating dtype, got {spec.dtype}"
+    if spec.sinks:
+        return "the flex backend applies no attention sinks"
     return None
 
 
@@ -66,6 +68,7 @@ def _softcap_mod(cap: float):
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, call: KernelCall) -> torch.Tensor:
+    reject_unsupported(call, NAME, softcap=True)
     score_mod = None if call.softcap is None else _softcap_mod(float(call.softcap))
 
     out = _flex_fn(q.device.type)(q.transpose(0, 1).unsqueeze(0), k.transpose(0, 1).unsqueeze(0),

@@ -20,6 +20,15 @@ are computed in float32 and the result rounded once: there the CPU flash kernels
 anyway, and their half-precision backward measured 6x slower than float32 (the result is also more
 accurate, never less).
 
+Features no SDPA kernel has take exact detours that leave the common case untouched:
+
+- ``Dv != D`` (MLA-style, e.g. D=192, Dv=128): the CPU flash kernels need equal head dims and SDPA
+  would silently fall back to its math kernel (a ``[Hq, n, n]`` score tensor per segment), so the
+  narrower side is zero-padded once per call: zero columns of q/k add exact zeros to every score,
+  zero columns of v give output columns that are dropped, and their gradients are dropped with them;
+- logit softcapping and attention sinks: every segment goes through :mod:`._chunked` (exact,
+  chunked, hand-written backward); no dropout there, so such calls with dropout are unavailable.
+
 The packed q/k/v are split into per-segment views once (``Tensor.split``): their backward is one
 concatenation, where a slice per segment would make autograd zero-fill a full-size gradient buffer
 per segment and tensor (``O(segments * Tq)`` memory traffic, 14% of a 16K fwd+bwd with 12 documents).
@@ -35,7 +44,8 @@ import torch.nn.functional as F
 from torch.nn.utils.rnn import pad_sequence
 
 from ..planning import VarlenPlan
-from .base import KernelCall, KernelSpec
+from ._chunked import segment_attention
+from .base import BackendUnavailable, KernelCall, KernelSpec
 
 NAME = "sdpa_doc"
 
@@ -58,8 +68,8 @@ _cpu_flash_bwd = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_fo
 def unavailable_reason(spec: KernelSpec) -> str | None:
     if not spec.dtype.is_floating_point:
         return f"sdpa_doc needs a floating dtype, got {spec.dtype}"
-    if spec.softcap is not None:
-        return "sdpa_doc (scaled_dot_product_attention) has no logit softcapping"
+    if spec.dropout_p > 0 and (spec.softcap is not None or spec.sinks):
+        return "sdpa_doc applies no dropout together with logit softcapping or attention sinks"
     return None
 
 
@@ -151,9 +161,10 @@ class _PrefixMerge(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, prefix: int, scale: float):  # type: ignore[override]
         # Both halves and the merge run in float32 (the CPU kernel is no slower there), so a
-        # bf16/fp16 result is rounded once, like a single kernel's, instead of three times.
+        # bf16/fp16 result is rounded once, like a single kernel's, instead of three times; float64 stays.
         dtype = q.dtype
-        q, k, v = q.float(), k.float(), v.float()
+        compute = torch.promote_types(dtype, torch.float32)
+        q, k, v = q.to(compute), k.to(compute), v.to(compute)
         o1, l1 = _cpu_flash(q, k[:, :, :prefix], v[:, :, :prefix], 0.0, False, scale=scale)
         o2, l2 = _cpu_flash(q, k[:, :, prefix:], v[:, :, prefix:], 0.0, True, scale=scale)
         lse = torch.logaddexp(l1, l2)
@@ -166,7 +177,7 @@ class _PrefixMerge(torch.autograd.Function):
     def backward(ctx, grad_out):  # type: ignore[override]
         q, k, v, out, lse = ctx.saved_tensors
         p, scale, dtype = ctx.prefix, ctx.scale, grad_out.dtype
-        grad_out = grad_out.float().contiguous()
+        grad_out = grad_out.to(q.dtype).contiguous()
         dq1, dk1, dv1 = _cpu_flash_bwd(grad_out, q, k[:, :, :p], v[:, :, :p], out, lse, 0.0, False, scale=scale)
         dq2, dk2, dv2 = _cpu_flash_bwd(grad_out, q, k[:, :, p:], v[:, :, p:], out, lse, 0.0, True, scale=scale)
         return ((dq1 + dq2).to(dtype), torch.cat([dk1, dk2], dim=2).to(dtype), torch.cat([dv1, dv2], dim=2).to(dtype),
@@ -203,9 +214,37 @@ def _cpu_has_native(dtype: torch.dtype) -> bool:
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, call: KernelCall) -> torch.Tensor:
     """Packed ``q [Tq,Hq,D]``, ``k [Tk,Hkv,D]``, ``v [Tk,Hkv,Dv]`` -> ``[Tq,Hq,Dv]`` (see kernels.base)."""
+    if call.softcap is not None or call.sinks is not None:
+        return _chunked_attention(q, k, v, call)
     if q.device.type == "cpu" and q.dtype in (torch.bfloat16, torch.float16) and not _cpu_has_native(q.dtype):
-        return _attention(q.float(), k.float(), v.float(), call).to(q.dtype)
+        return attention(q.float(), k.float(), v.float(), call).to(q.dtype)
+    dim, dim_v = q.shape[-1], v.shape[-1]
+    if dim_v != dim:
+        width = max(dim, dim_v)
+        if dim < width:
+            q, k = F.pad(q, (0, width - dim)), F.pad(k, (0, width - dim))
+        else:
+            v = F.pad(v, (0, width - dim_v))
+        return _attention(q, k, v, call)[..., :dim_v]
     return _attention(q, k, v, call)
+
+
+def _chunked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, call: KernelCall) -> torch.Tensor:
+    """Every segment through :func:`._chunked.segment_attention` (softcap and/or sinks)."""
+    if call.dropout_p > 0:
+        raise BackendUnavailable(f"sdpa_doc applies no dropout (dropout_p={call.dropout_p}) together with "
+                                 "logit softcapping or attention sinks")
+    if call.softcap is not None and not call.softcap > 0:
+        raise ValueError(f"softcap={call.softcap!r} must be a positive float or None")
+    sinks = call.sinks
+    if sinks is not None and (sinks.shape != (q.shape[1],) or not sinks.is_floating_point()):
+        raise ValueError(f"sinks must be a float tensor [Hq={q.shape[1]}], got {sinks.dtype} {tuple(sinks.shape)}")
+    sched = schedule(call.plan, call.window)
+    q_parts, k_parts, v_parts = q.split(sched.q_lens), k.split(sched.k_lens), v.split(sched.k_lens)
+    softcap = None if call.softcap is None else float(call.softcap)
+    pieces = [segment_attention(qs, ks, vs, sinks, scale=call.scale, softcap=softcap, window=call.window)
+              for qs, ks, vs in zip(q_parts, k_parts, v_parts)]
+    return pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=0)
 
 
 def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, call: KernelCall) -> torch.Tensor:

@@ -1,8 +1,9 @@
 """``sdpa_mask``: one SDPA call with a dense boolean mask over the packed rows.
 
 The last-resort fallback, never chosen by ``"auto"``: it builds a ``[Tq, Tk]`` mask (O(Tq * Tk)
-memory). Only real rows are packed, and every query sees at least its own key, so no row is empty
-and no NaN can appear.
+memory). With ``Dv != D`` SDPA runs its math kernel (exact; its dense scores are the size of the
+mask). Only real rows are packed, and every query sees at least its own key, so no row is empty and
+no NaN can appear.
 """
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .base import KernelCall, KernelSpec, token_coordinates, visible
+from .base import KernelCall, KernelSpec, reject_unsupported, token_coordinates, visible
 
 NAME = "sdpa_mask"
 
@@ -20,10 +21,13 @@ def unavailable_reason(spec: KernelSpec) -> str | None:
         return f"sdpa_mask needs a floating dtype, got {spec.dtype}"
     if spec.softcap is not None:
         return "sdpa_mask (scaled_dot_product_attention) has no logit softcapping"
+    if spec.sinks:
+        return "sdpa_mask (scaled_dot_product_attention) has no attention sinks"
     return None
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, call: KernelCall) -> torch.Tensor:
+    reject_unsupported(call, NAME)
     q_seg, q_pos, k_seg, k_pos = token_coordinates(call.plan)
     mask = visible(q_seg[:, None], q_pos[:, None], k_seg[None, :], k_pos[None, :], call.window)
     out = F.scaled_dot_product_attention(q.transpose(0, 1).unsqueeze(0), k.transpose(0, 1).unsqueeze(0),

@@ -12,7 +12,7 @@ import functools
 import torch
 
 from ._imports import optional_import
-from .base import KernelCall, KernelSpec, cuda_half_reason
+from .base import KernelCall, KernelSpec, cuda_half_reason, reject_unsupported
 
 NAME = "te"
 MODULE = "transformer_engine.pytorch"
@@ -30,7 +30,11 @@ def unavailable_reason(spec: KernelSpec) -> str | None:
     if spec.softcap is not None:
         return "the te backend has no logit softcapping"
     if spec.head_dim != spec.value_dim:
+        # TE takes kv_channels=(D, Dv), but only some of its fused backends (cuDNN, by GPU and version)
+        # run it; which one TE picks is not knowable without launching, so this adapter does not offer it.
         return f"the te backend needs head_dim == value_dim, got {spec.head_dim}/{spec.value_dim}"
+    if spec.sinks:
+        return "the te backend has no attention sinks"
     return None
 
 
@@ -54,6 +58,7 @@ def _dot_product_attention(num_q_heads: int, num_kv_heads: int, head_dim: int, s
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, call: KernelCall) -> torch.Tensor:
+    reject_unsupported(call, NAME)
     plan = call.plan
     dpa = _dot_product_attention(q.shape[1], k.shape[1], q.shape[2], float(call.scale), call.causal_window,
                                  q.dtype, q.device)
