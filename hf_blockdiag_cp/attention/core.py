@@ -66,7 +66,7 @@ def check_qkv(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> No
 
 
 def kernel_spec(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *, dropout_p: float,
-                window: int | None, softcap: float | None) -> KernelSpec:
+                window: int | None, softcap: float | None, sinks: torch.Tensor | None = None) -> KernelSpec:
     """The host-side facts backend availability depends on (``[B, H, seq, D]`` inputs)."""
     return KernelSpec(
         device_type=query.device.type,
@@ -78,7 +78,9 @@ def kernel_spec(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *, 
         dropout_p=float(dropout_p),
         window=window,
         softcap=softcap,
-        requires_grad=torch.is_grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad),
+        sinks=sinks is not None,
+        requires_grad=torch.is_grad_enabled() and any(t is not None and t.requires_grad
+                                                      for t in (query, key, value, sinks)),
     )
 
 
@@ -108,7 +110,7 @@ def resolve_backend(config: BlockDiagCPConfig, spec: KernelSpec, *, agreed: froz
 
 def attend_flat(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: VarlenPlan, backend: str, *,
                 scale: float, dropout_p: float = 0.0, window: int | None = None, softcap: float | None = None,
-                config: BlockDiagCPConfig | None = None) -> torch.Tensor:
+                sinks: torch.Tensor | None = None, config: BlockDiagCPConfig | None = None) -> torch.Tensor:
     """Block-diagonal attention on flat rows.
 
     Args:
@@ -116,6 +118,7 @@ def attend_flat(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: VarlenP
         k, v: ``[B*S_kv, Hkv, D]`` / ``[B*S_kv, Hkv, Dv]`` K/V buffer rows.
         plan: a plan on ``q.device`` for exactly these row counts.
         backend: a resolved backend name (not ``"auto"``).
+        sinks: ``[Hq]`` attention-sink logits (gpt-oss ``s_aux``): join each softmax denominator.
 
     Returns:
         ``[B*L, Hq, Dv]``; rows of no segment (padding) are zeros.
@@ -131,7 +134,7 @@ def attend_flat(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: VarlenP
     if total_q == 0:
         # All rows are padding: zeros that stay attached to q, k and v so every rank's backward
         # reaches the same collectives and gives finite (zero) gradients.
-        anchor = (q.sum() + k.sum() + v.sum()) * 0
+        anchor = (q.sum() + k.sum() + v.sum() + (0 if sinks is None else sinks.sum())) * 0
         return q.new_zeros(rows, num_q_heads, dim_v) + anchor
     q_packed = q[:total_q] if plan.q_index is None else q.index_select(0, plan.q_index)
     if plan.k_index is None:
@@ -140,7 +143,7 @@ def attend_flat(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: VarlenP
     else:
         k_packed = k.index_select(0, plan.k_index)
         v_packed = v.index_select(0, plan.k_index)
-    call = KernelCall(plan=plan, scale=scale, dropout_p=dropout_p, window=window, softcap=softcap,
+    call = KernelCall(plan=plan, scale=scale, dropout_p=dropout_p, window=window, softcap=softcap, sinks=sinks,
                       deterministic=config.deterministic, flash_prefix_guard=config.flash_prefix_guard)
     out = get_backend(backend).attention(q_packed, k_packed, v_packed, call)
     if total_q == rows:

@@ -112,13 +112,15 @@ def _backend(ctx: BlockDiagCPContext, spec: KernelSpec, device: torch.device) ->
 
 
 def cp_attention(ctx: BlockDiagCPContext, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *,
-                 dropout_p: float, scale: float, window: int | None, softcap: float | None) -> torch.Tensor:
+                 dropout_p: float, scale: float, window: int | None, softcap: float | None,
+                 sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Block-diagonal attention of this rank's local rows over K/V gathered from the CP group.
 
     Args:
         ctx: the step's context (``cp_size > 1``).
         query: ``[1, Hq, L, D]`` local queries.
         key, value: ``[1, Hkv, L, D]`` / ``[1, Hkv, L, Dv]`` local keys/values (before exchange).
+        sinks: ``[Hq]`` attention-sink logits, the same on every rank (not exchanged).
 
     Returns:
         ``[L, Hq, Dv]`` (padding rows are zeros).
@@ -129,7 +131,7 @@ def cp_attention(ctx: BlockDiagCPContext, query: torch.Tensor, key: torch.Tensor
         raise PlanError(f"CP attention expects one packed row per micro-batch and local keys: got query "
                         f"{tuple(query.shape)}, key {tuple(key.shape)}")
     ctx = ctx.to(query.device)
-    spec = kernel_spec(query, key, value, dropout_p=dropout_p, window=window, softcap=softcap)
+    spec = kernel_spec(query, key, value, dropout_p=dropout_p, window=window, softcap=softcap, sinks=sinks)
     backend = _backend(ctx, spec, query.device)
     num_kv_heads, head_dim, value_dim = key.shape[1], key.shape[3], value.shape[3]
     k_flat, v_flat = flat_rows(key), flat_rows(value)
@@ -143,7 +145,7 @@ def cp_attention(ctx: BlockDiagCPContext, query: torch.Tensor, key: torch.Tensor
         v_flat = kv[:, num_kv_heads * head_dim:].view(rows, num_kv_heads, value_dim)
     try:
         return attend_flat(flat_rows(query), k_flat, v_flat, ctx.plan, backend, scale=scale, dropout_p=dropout_p,
-                           window=window, softcap=softcap, config=ctx.config)
+                           window=window, softcap=softcap, sinks=sinks, config=ctx.config)
     except Exception as err:
         raise CPKernelError(f"CP rank {ctx.cp_rank}/{ctx.cp_size}: the {backend!r} attention kernel failed "
                             f"({type(err).__name__}: {err}); peer ranks will stop at their next collective") from err

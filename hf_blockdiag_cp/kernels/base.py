@@ -95,19 +95,20 @@ def token_coordinates(plan: VarlenPlan) -> tuple[torch.Tensor, torch.Tensor, tor
     sees a key iff same segment, ``k_pos <= q_pos`` and, with a window, ``k_pos > q_pos - window``.
     Built once on the host and cached on the plan (dense-mask style backends only).
     """
-    cached = plan.cache.get("token_coordinates")
-    if cached is None:
-        q_lens = torch.tensor([s.q_len for s in plan.segments], dtype=torch.int64)
-        k_lens = torch.tensor([s.k_len for s in plan.segments], dtype=torch.int64)
-        seg = torch.arange(len(plan.segments))
-        q_seg = torch.repeat_interleave(seg, q_lens)
-        k_seg = torch.repeat_interleave(seg, k_lens)
-        q_first = torch.tensor(plan.host_cu_q[:-1], dtype=torch.int64)
-        k_first = torch.tensor(plan.host_cu_k[:-1], dtype=torch.int64)
-        q_pos = torch.arange(plan.total_q) - q_first[q_seg] + (k_lens - q_lens)[q_seg]
-        k_pos = torch.arange(plan.total_k) - k_first[k_seg]
-        cached = plan.cache["token_coordinates"] = tuple(t.to(plan.device) for t in (q_seg, q_pos, k_seg, k_pos))
-    return cached
+    return plan.derived.get("token_coordinates", None, lambda: _token_coordinates(plan))
+
+
+def _token_coordinates(plan: VarlenPlan) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    q_lens = torch.tensor([s.q_len for s in plan.segments], dtype=torch.int64)
+    k_lens = torch.tensor([s.k_len for s in plan.segments], dtype=torch.int64)
+    seg = torch.arange(len(plan.segments))
+    q_seg = torch.repeat_interleave(seg, q_lens)
+    k_seg = torch.repeat_interleave(seg, k_lens)
+    q_first = torch.tensor(plan.host_cu_q[:-1], dtype=torch.int64)
+    k_first = torch.tensor(plan.host_cu_k[:-1], dtype=torch.int64)
+    q_pos = torch.arange(plan.total_q) - q_first[q_seg] + (k_lens - q_lens)[q_seg]
+    k_pos = torch.arange(plan.total_k) - k_first[k_seg]
+    return tuple(t.to(plan.device) for t in (q_seg, q_pos, k_seg, k_pos))
 
 
 def visible(q_seg: torch.Tensor, q_pos: torch.Tensor, k_seg: torch.Tensor, k_pos: torch.Tensor,

@@ -45,19 +45,17 @@ def _flex_fn(device_type: str):
 
 def _block_mask(call: KernelCall):
     plan = call.plan
-    key = (NAME, call.window)
-    mask = plan.cache.get(key)
-    if mask is None:
-        flex, _ = optional_import(MODULE)
-        q_seg, q_pos, k_seg, k_pos = token_coordinates(plan)
-        window = call.window
+    return plan.derived.get(NAME, call.window, lambda: _build_block_mask(plan, call.window))
 
-        def mask_mod(b, h, q_idx, kv_idx):
-            return visible(q_seg[q_idx], q_pos[q_idx], k_seg[kv_idx], k_pos[kv_idx], window)
 
-        mask = plan.cache[key] = flex.create_block_mask(mask_mod, None, None, plan.total_q, plan.total_k,
-                                                        device=plan.device)
-    return mask
+def _build_block_mask(plan, window: int | None):
+    flex, _ = optional_import(MODULE)
+    q_seg, q_pos, k_seg, k_pos = token_coordinates(plan)
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        return visible(q_seg[q_idx], q_pos[q_idx], k_seg[kv_idx], k_pos[kv_idx], window)
+
+    return flex.create_block_mask(mask_mod, None, None, plan.total_q, plan.total_k, device=plan.device)
 
 
 def _softcap_mod(cap: float):

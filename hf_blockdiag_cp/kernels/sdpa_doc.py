@@ -142,11 +142,7 @@ def _build_schedule(plan: VarlenPlan, window: int | None) -> _Schedule:
 
 def schedule(plan: VarlenPlan, window: int | None) -> _Schedule:
     """The plan's sdpa_doc schedule for ``window`` (built once, cached on the plan)."""
-    key = (NAME, window)
-    sched = plan.cache.get(key)
-    if sched is None:
-        sched = plan.cache[key] = _build_schedule(plan, window)
-    return sched
+    return plan.derived.get(NAME, window, lambda: _build_schedule(plan, window))
 
 
 def _heads_first(x: torch.Tensor) -> torch.Tensor:

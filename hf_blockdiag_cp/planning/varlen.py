@@ -22,15 +22,18 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
 from .documents import as_doc_ids, document_spans
 
-__all__ = ["PlanError", "QueryPiece", "Segment", "VarlenPlan", "build_varlen_plan", "plan_from_segments"]
+__all__ = ["DerivedSchedules", "PlanError", "QueryPiece", "Segment", "VarlenPlan", "build_varlen_plan",
+           "plan_from_segments"]
+
+_T = TypeVar("_T")
 
 
 class PlanError(ValueError):
@@ -63,6 +66,25 @@ class Segment:
     def prefix(self) -> int:
         """Keys before the segment's first query (> 0 only for a document straddling a boundary)."""
         return self.k_len - self.q_len
+
+
+@dataclass(eq=False)
+class DerivedSchedules:
+    """What kernels derive from one plan on its device (schedules, masks, token coordinates).
+
+    Owned by the plan, so each is built at most once per step and reused by every layer and by
+    activation-checkpoint recompute; a plan moved to another device starts empty. Entries are
+    named by their owner (a backend name) and a key (e.g. the window).
+    """
+
+    _entries: dict[tuple[str, Hashable], Any] = field(default_factory=dict, repr=False)
+
+    def get(self, owner: str, key: Hashable, build: Callable[[], _T]) -> _T:
+        """The entry ``(owner, key)``, built by ``build()`` the first time it is asked for."""
+        slot = (owner, key)
+        if slot not in self._entries:
+            self._entries[slot] = build()
+        return self._entries[slot]
 
 
 @dataclass(frozen=True, eq=False)
@@ -99,9 +121,7 @@ class VarlenPlan:
     q_index: torch.Tensor | None
     k_index: torch.Tensor | None
     k_offset: int
-    # Kernel schedules derived from this plan (per window / device); owned by the plan so they are
-    # built at most once per step and reused by every layer and by activation-checkpoint recompute.
-    cache: dict[Any, Any] = field(default_factory=dict, repr=False, compare=False)
+    derived: DerivedSchedules = field(default_factory=DerivedSchedules, repr=False, compare=False)
 
     @property
     def num_segments(self) -> int:
@@ -158,7 +178,7 @@ class VarlenPlan:
             cu_seqlens_k=move(self.cu_seqlens_k),
             q_index=move(self.q_index),
             k_index=move(self.k_index),
-            cache={},
+            derived=DerivedSchedules(),
         )
 
     def describe(self) -> str:
