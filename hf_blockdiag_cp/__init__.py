@@ -13,9 +13,9 @@ from typing import TYPE_CHECKING, Any
 
 from . import training
 from .attention import ATTN_IMPLEMENTATION, BlockDiagMask, blockdiag_attention, blockdiag_cp_attention, register
-from .config import BACKENDS, KV_EXCHANGES, BlockDiagCPConfig
+from .config import BACKENDS, KV_EXCHANGES, PLACEMENTS, BlockDiagCPConfig
 from .context import BlockDiagCPContext
-from .data import PackedDataset, PackedRow, PackingCollator, from_flattened
+from .data import PackedDataset, PackedRow, PackingCollator, from_flattened, sliding_windows
 from .planning import PlanError, VarlenPlan, build_varlen_plan
 from .training import (
     check_collator,
@@ -40,6 +40,7 @@ __all__ = [
     "BlockDiagMask",
     "CPTrainer",
     "KV_EXCHANGES",
+    "PLACEMENTS",
     "PackedDataset",
     "PackedRow",
     "PackingCollator",
@@ -57,6 +58,7 @@ __all__ = [
     "reduce_loss_for_logging",
     "from_flattened",
     "register",
+    "sliding_windows",
 ]
 
 register()

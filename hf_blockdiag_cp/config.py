@@ -10,12 +10,14 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 
-__all__ = ["BACKENDS", "KV_EXCHANGES", "BlockDiagCPConfig", "ENV_VARS"]
+__all__ = ["BACKENDS", "KV_EXCHANGES", "PLACEMENTS", "BlockDiagCPConfig", "ENV_VARS"]
 
 #: Attention kernel backends, in no particular order ("auto" picks per device and dtype).
 BACKENDS: tuple[str, ...] = ("auto", "flash", "te", "torch_varlen", "flex", "sdpa_doc", "sdpa_mask")
 #: K/V exchange strategies across context-parallel ranks.
 KV_EXCHANGES: tuple[str, ...] = ("auto", "allgather", "halo", "a2a")
+#: Which row positions each CP rank holds (see :mod:`hf_blockdiag_cp.planning.placement`).
+PLACEMENTS: tuple[str, ...] = ("balanced", "contiguous", "zigzag")
 
 #: Environment variable overriding the default of each field.
 ENV_VARS: dict[str, str] = {
@@ -26,6 +28,8 @@ ENV_VARS: dict[str, str] = {
     "flash_prefix_guard": "HF_BLOCKDIAG_CP_FLASH_PREFIX_GUARD",
     "collective_timeout_s": "HF_BLOCKDIAG_CP_COLLECTIVE_TIMEOUT_S",
     "disabled_backends": "HF_BLOCKDIAG_CP_DISABLE_BACKENDS",
+    "placement": "HF_BLOCKDIAG_CP_PLACEMENT",
+    "balance_tolerance": "HF_BLOCKDIAG_CP_BALANCE_TOLERANCE",
 }
 
 #: Longest collective timeout accepted (a year): ``datetime.timedelta`` and the process-group
@@ -91,6 +95,13 @@ class BlockDiagCPConfig:
         disabled_backends: backends this process must not use (e.g. a kernel known to be broken on
             one machine); the rank agreement makes every rank avoid them together.
             Env: ``HF_BLOCKDIAG_CP_DISABLE_BACKENDS`` (comma-separated names).
+        placement: which positions of a packed row each CP rank holds, one of :data:`PLACEMENTS`:
+            ``"balanced"`` balances causal work over ranks splitting as few documents as possible,
+            ``"contiguous"`` gives rank ``r`` the ``r``-th slice, ``"zigzag"`` chunks ``r`` and
+            ``2P-1-r`` of ``2P``. Env: ``HF_BLOCKDIAG_CP_PLACEMENT``.
+        balance_tolerance: ``"balanced"`` stops splitting documents once the most loaded rank is
+            within this fraction of the mean (smaller: better balance, more K/V moved).
+            Env: ``HF_BLOCKDIAG_CP_BALANCE_TOLERANCE``.
     """
 
     backend: str = field(default_factory=lambda: _env_str("backend", "auto"))
@@ -100,12 +111,22 @@ class BlockDiagCPConfig:
     flash_prefix_guard: bool = field(default_factory=lambda: _env_bool("flash_prefix_guard", True))
     collective_timeout_s: float = field(default_factory=lambda: _env_float("collective_timeout_s", 600.0))
     disabled_backends: tuple[str, ...] = field(default_factory=lambda: _env_names("disabled_backends"))
+    placement: str = field(default_factory=lambda: _env_str("placement", "balanced"))
+    balance_tolerance: float = field(default_factory=lambda: _env_float("balance_tolerance", 0.05))
 
     def __post_init__(self) -> None:
         if not isinstance(self.backend, str) or self.backend.lower() not in BACKENDS:
             raise ValueError(f"backend={self.backend!r} is not one of {', '.join(BACKENDS)}")
         if not isinstance(self.kv_exchange, str) or self.kv_exchange.lower() not in KV_EXCHANGES:
             raise ValueError(f"kv_exchange={self.kv_exchange!r} is not one of {', '.join(KV_EXCHANGES)}")
+        if not isinstance(self.placement, str) or self.placement.lower() not in PLACEMENTS:
+            raise ValueError(f"placement={self.placement!r} (env {ENV_VARS['placement']}) is not one of "
+                             f"{', '.join(PLACEMENTS)}")
+        object.__setattr__(self, "placement", self.placement.lower())
+        tolerance = self.balance_tolerance
+        if isinstance(tolerance, bool) or not isinstance(tolerance, (int, float)) or not 0 <= tolerance < 10:
+            raise ValueError(f"balance_tolerance={tolerance!r} (env {ENV_VARS['balance_tolerance']}) must be a "
+                             "number in [0, 10)")
         object.__setattr__(self, "backend", self.backend.lower())
         object.__setattr__(self, "kv_exchange", self.kv_exchange.lower())
         disabled = tuple(name.lower() for name in self.disabled_backends)

@@ -10,17 +10,20 @@ them and every later layer reuses them.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
+from ._validate import check_int
 from .config import BlockDiagCPConfig
 from .distributed.exchange import CommStats, RankExchange
 from .distributed.groups import group_to_ref, ref_to_group
 from .kernels.base import KernelSpec
 from .planning import PlanError, VarlenPlan, as_doc_ids, build_varlen_plan
 from .planning.exchange import ExchangePlan, plan_exchange
+from .planning.placement import Placement, make_placement
 from .planning.fingerprint import fingerprint
 
 __all__ = ["BlockDiagCPContext", "StepState"]
@@ -34,14 +37,14 @@ class StepState:
         moved: the context's copy per device (:meth:`BlockDiagCPContext.to`).
         agreed_backends: backends every CP rank can run (the step's rank agreement), once known.
         backends: the backend chosen per kernel spec in this step.
-        exchanges: this rank's device-ready exchange per device (``None``: nothing moves).
+        exchanges: this rank's device-ready exchange per device and window (``None``: nothing moves).
         comm: bytes moved by this step's K/V exchanges.
     """
 
     moved: dict[torch.device, BlockDiagCPContext] = field(default_factory=dict)
     agreed_backends: frozenset[str] | None = None
     backends: dict[KernelSpec, str] = field(default_factory=dict)
-    exchanges: dict[torch.device, RankExchange | None] = field(default_factory=dict)
+    exchanges: dict[tuple[torch.device, int | None], RankExchange | None] = field(default_factory=dict)
     comm: CommStats = field(default_factory=CommStats)
 
 
@@ -53,15 +56,17 @@ class BlockDiagCPContext:
         doc_ids: ``[B, S]`` int32 CPU document ids of the full (all-rank) rows, 0 = padding.
         cp_rank / cp_size: this rank's index in the CP group and the group size.
         group: the CP process group (``None`` when ``cp_size == 1``).
-        row_offset: global position of local row 0 (``cp_rank * local_len``).
+        row_offset: global position of local row 0 (``cp_rank * local_len`` for contiguous placement).
         local_len: ``L = S / cp_size`` local rows per batch row.
-        local_index: ``[L]`` int64 global position of every local row.
+        local_index: ``[L]`` int64 global position of every local row (ascending; the placement's row).
         plan: this rank's :class:`~hf_blockdiag_cp.planning.VarlenPlan` (CPU; see :meth:`to`).
         exchange: the K/V :class:`~hf_blockdiag_cp.planning.exchange.ExchangePlan` for
             ``cp_size > 1`` (``None`` on one rank).
         data_fingerprint: hash of the step's rows (document ids, and token ids when the collator
             gives them); CP ranks compare it before their first exchange.
         config: the :class:`~hf_blockdiag_cp.config.BlockDiagCPConfig` of this step.
+        placement: which positions every CP rank holds (``None`` on one rank).
+        window_plans: per planned sliding window, the varlen and exchange plans of windowed layers.
         state: the :class:`StepState` owned by this context (shared by its device copies).
     """
 
@@ -76,12 +81,16 @@ class BlockDiagCPContext:
     exchange: ExchangePlan | None = None
     data_fingerprint: int = 0
     config: BlockDiagCPConfig = field(default_factory=BlockDiagCPConfig)
+    placement: Placement | None = None
+    window_plans: dict[int, tuple[VarlenPlan, ExchangePlan]] = field(default_factory=dict)
     state: StepState = field(default_factory=StepState, repr=False, compare=False)
 
     @classmethod
     def build(cls, doc_ids: torch.Tensor, *, cp_rank: int = 0, cp_size: int = 1, group: Any = None,
-              config: BlockDiagCPConfig | None = None, input_ids: torch.Tensor | None = None) -> BlockDiagCPContext:
-        """Plan one rank's step for contiguous sharding: rank ``r`` owns rows ``[r*L, (r+1)*L)``.
+              config: BlockDiagCPConfig | None = None, input_ids: torch.Tensor | None = None,
+              placement: str | Placement | None = None,
+              sliding_windows: Sequence[int | None] = ()) -> BlockDiagCPContext:
+        """Plan one rank's step: which positions it holds, its kernel segments and its K/V exchange.
 
         Args:
             doc_ids: ``[S]`` or ``[B, S]`` full-row document ids (the same on every CP rank).
@@ -90,32 +99,54 @@ class BlockDiagCPContext:
             config: defaults to ``BlockDiagCPConfig()`` (environment-overridable).
             input_ids: the full rows' token ids, if known: included in ``data_fingerprint`` so
                 that CP ranks holding different tokens are caught, not only different layouts.
+            placement: a kind (default ``config.placement``) or a ready
+                :class:`~hf_blockdiag_cp.planning.placement.Placement`; ignored at ``cp_size == 1``.
+            sliding_windows: the model's attention windows (``None`` for full layers). Each finite
+                window gets its own plans, so a windowed layer receives only the keys inside its
+                window; a layer whose window was not planned uses the full plans (exact, more bytes).
+                The balanced placement's work model averages over them.
         """
         config = config or BlockDiagCPConfig()
         ids = as_doc_ids(doc_ids)
-        if not isinstance(cp_size, int) or cp_size < 1:
-            raise ValueError(f"cp_size={cp_size!r} must be a positive int")
-        if not isinstance(cp_rank, int) or not 0 <= cp_rank < cp_size:
-            raise ValueError(f"cp_rank={cp_rank!r} must be in [0, cp_size={cp_size})")
+        check_int("cp_size", cp_size, minimum=1)
+        check_int("cp_rank", cp_rank, minimum=0, below=("cp_size", cp_size))
         full_len = ids.shape[1]
         if full_len % cp_size:
             raise ValueError(f"the row length S={full_len} is not divisible by cp_size={cp_size}")
         local_len = full_len // cp_size
-        row_offset = cp_rank * local_len
-        exchange, kv_ranges = None, None
-        if cp_size > 1:  # the exchange decides the K/V buffer layout
-            exchange = plan_exchange(ids, cp_size=cp_size, config=config)
-            kv_ranges = exchange.kv_ranges[cp_rank]
-        plan = build_varlen_plan(ids, local_len=local_len, row_offset=row_offset, kv_ranges=kv_ranges,
-                                 validate=config.validate)
-        doc_ids32 = ids.to(torch.int32).contiguous()
-        parts = [repr(tuple(doc_ids32.shape)).encode(), doc_ids32.numpy().tobytes()]
+        windows = sorted({w for w in sliding_windows if w is not None})
+        for w in windows:
+            check_int("sliding_windows", w, minimum=1)
+        parts = [repr(tuple(ids.shape)).encode(), ids.to(torch.int32).contiguous().numpy().tobytes()]
         if input_ids is not None:
             parts.append(torch.as_tensor(input_ids).detach().to("cpu", torch.int64).contiguous().numpy().tobytes())
-        return cls(doc_ids=doc_ids32, cp_rank=cp_rank, cp_size=cp_size, group=group,
-                   row_offset=row_offset, local_len=local_len,
-                   local_index=torch.arange(row_offset, row_offset + local_len, dtype=torch.int64), plan=plan,
-                   exchange=exchange, data_fingerprint=fingerprint(*parts), config=config)
+        common = dict(doc_ids=ids.to(torch.int32).contiguous(), cp_rank=cp_rank, cp_size=cp_size, group=group,
+                      local_len=local_len, data_fingerprint=fingerprint(*parts), config=config)
+        if cp_size == 1:
+            plan = build_varlen_plan(ids, local_len=local_len, validate=config.validate)
+            return cls(row_offset=0, local_index=torch.arange(local_len), plan=plan, **common)
+        if not isinstance(placement, Placement):
+            placement = make_placement(ids[0], cp_size, placement or config.placement,
+                                       tolerance=config.balance_tolerance,
+                                       windows=tuple(sliding_windows) or (None,))
+        pieces = placement.pieces(cp_rank)
+
+        def plans(window: int | None) -> tuple[VarlenPlan, ExchangePlan]:
+            exchange = plan_exchange(ids, cp_size=cp_size, config=config, placement=placement, window=window)
+            positions = exchange.for_rank(cp_rank).buffer_positions
+            return build_varlen_plan(ids, local_len=local_len, pieces=pieces, kv_positions=positions, window=window,
+                                     validate=config.validate), exchange
+
+        plan, exchange = plans(None)
+        local_index = placement.index[cp_rank]
+        return cls(row_offset=int(local_index[0]), local_index=local_index, plan=plan, exchange=exchange,
+                   placement=placement, window_plans={w: plans(w) for w in windows}, **common)
+
+    def plans_for(self, window: int | None) -> tuple[VarlenPlan, ExchangePlan | None]:
+        """The varlen and exchange plans of a layer with sliding ``window`` (the full ones if that
+        window was not planned: exact, only more K/V moved)."""
+        return self.window_plans.get(window, (self.plan, self.exchange)) if window is not None else (
+            self.plan, self.exchange)
 
     def __getstate__(self) -> dict[str, Any]:
         # Batches come back from DataLoader workers pickled: send the group by name, not the
@@ -148,7 +179,9 @@ class BlockDiagCPContext:
             return self
         moved = self.state.moved.get(device)
         if moved is None:
-            moved = self.state.moved[device] = dataclasses.replace(self, plan=self.plan.to(device), state=self.state)
+            window_plans = {w: (plan.to(device), exchange) for w, (plan, exchange) in self.window_plans.items()}
+            moved = self.state.moved[device] = dataclasses.replace(self, plan=self.plan.to(device),
+                                                                   window_plans=window_plans, state=self.state)
         return moved
 
     def check_local(self, batch_size: int, local_len: int) -> None:

@@ -67,7 +67,7 @@ def test_several_rows_at_cp1_and_one_row_per_rank_under_cp():
     assert int(b["num_items_in_batch"]) == 23 - 5
     with pytest.raises(ValueError, match="PackedDataset"):
         PackingCollator(8, cp_size=2, cp_rank=0, pad_token_id=0)(examples)
-    one_row = PackingCollator(8, cp_size=2, cp_rank=1, pad_token_id=0)(docs(5, 3))
+    one_row = PackingCollator(8, cp_size=2, cp_rank=1, pad_token_id=0, placement="contiguous")(docs(5, 3))
     assert one_row["input_ids"].tolist() == [[5, 6, 7, 8]]
 
 
@@ -107,7 +107,8 @@ def test_round_trip_across_ranks(cp_size):
 def test_shift_labels_cross_rank_boundaries():
     """The last local token of rank r is labelled with rank r+1's first token: a local re-shift gets it wrong."""
     examples = docs(16)
-    batches = [PackingCollator(16, cp_size=4, cp_rank=r, pad_token_id=0)(examples) for r in range(4)]
+    batches = [PackingCollator(16, cp_size=4, cp_rank=r, pad_token_id=0, placement="contiguous")(examples)
+               for r in range(4)]
     for r in range(3):
         assert int(batches[r]["shift_labels"][0, -1]) == int(batches[r + 1]["input_ids"][0, 0])
         assert int(batches[r]["shift_labels"][0, -1]) == int(batches[r + 1]["labels"][0, 0])

@@ -124,7 +124,7 @@ def test_collective_timeout_env_names_the_variable(monkeypatch):
 
 
 def test_context_rejects_bad_sharding():
-    with pytest.raises(ValueError, match="cp_rank=2 must be in"):
+    with pytest.raises(ValueError, match="cp_rank=2 must be an int in"):
         BlockDiagCPContext.build(torch.ones(8, dtype=torch.long), cp_rank=2, cp_size=2)
     with pytest.raises(ValueError, match="not divisible by cp_size=3"):
         BlockDiagCPContext.build(torch.ones(8, dtype=torch.long), cp_rank=0, cp_size=3)

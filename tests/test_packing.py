@@ -192,8 +192,10 @@ def check_row_against_inputs(ids: torch.Tensor, pos: torch.Tensor, shift: torch.
 
 @settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 @given(data=st.data(), cp_size=st.integers(1, 8), per_rank=st.integers(1, 4),
-       overflow=st.sampled_from(["split", "truncate"]))
-def test_packing_and_sharding_invariants(data, cp_size, per_rank, overflow):
+       overflow=st.sampled_from(["split", "truncate"]), placement=st.sampled_from(["contiguous", "zigzag", "balanced"]))
+def test_packing_and_sharding_invariants(data, cp_size, per_rank, overflow, placement):
+    if placement == "zigzag":
+        per_rank *= 2  # zigzag cuts the row into 2 * cp_size equal chunks
     seq_len = cp_size * per_rank
     lengths = data.draw(st.lists(st.one_of(st.just(0), st.just(1), st.integers(0, 3 * seq_len)), min_size=1,
                                  max_size=10).filter(any), label="lengths")
@@ -201,8 +203,8 @@ def test_packing_and_sharding_invariants(data, cp_size, per_rank, overflow):
              for i, n in enumerate(lengths)]
     examples, where = make_examples(lengths, masks)
     pad = 0  # token ids start at 1, so padding is distinguishable
-    ranks = [PackingCollator(seq_len, cp_size=cp_size, cp_rank=r, pad_token_id=pad,
-                             overflow=overflow).micro_batches(examples) for r in range(cp_size)]
+    ranks = [PackingCollator(seq_len, cp_size=cp_size, cp_rank=r, pad_token_id=pad, overflow=overflow,
+                             placement=placement).micro_batches(examples) for r in range(cp_size)]
     unsharded = PackingCollator(seq_len, pad_token_id=pad, overflow=overflow).micro_batches(examples)
     seen: list[int] = []
     total_targets = 0
@@ -214,10 +216,14 @@ def test_packing_and_sharding_invariants(data, cp_size, per_rank, overflow):
             assert set(b) == {"input_ids", "position_ids", "labels", "shift_labels", "num_items_in_batch",
                               "cp_context", "use_cache"}
             assert b["input_ids"].shape == (1, per_rank) and ctx.local_len == per_rank
-            assert torch.equal(ctx.local_index, torch.arange(r * per_rank, (r + 1) * per_rank))
+            if placement == "contiguous" or cp_size == 1:
+                assert torch.equal(ctx.local_index, torch.arange(r * per_rank, (r + 1) * per_rank))
+            assert bool((ctx.local_index[1:] > ctx.local_index[:-1]).all()), "local rows keep row order"
             assert torch.equal(ctx.doc_ids[0].to(torch.int64), doc_ids), "every rank plans the same full row"
             assert (ctx.cp_rank, ctx.cp_size) == (r, cp_size)
             ctx.plan.validate()
+        held = torch.sort(torch.cat([b["cp_context"].local_index for b in batches])).values
+        assert torch.equal(held, torch.arange(seq_len)), "the ranks hold every position exactly once"
         row_ids, row_pos, row_shift = (unshard(batches, k) for k in ("input_ids", "position_ids", "shift_labels"))
         assert torch.equal(row_ids, cp1["input_ids"][0]) and torch.equal(row_pos, cp1["position_ids"][0])
         assert torch.equal(row_shift, cp1["shift_labels"][0])

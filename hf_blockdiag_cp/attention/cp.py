@@ -58,11 +58,13 @@ def _check_group(ctx: BlockDiagCPContext) -> None:
         raise RuntimeError("cp_size > 1 needs an initialised torch.distributed process group in cp_context.group")
 
 
-def _rank_exchange(ctx: BlockDiagCPContext, device: torch.device) -> RankExchange | None:
-    """This rank's device-ready exchange (``None`` when nothing moves), built once per step and device."""
-    if device in ctx.state.exchanges:
-        return ctx.state.exchanges[device]
-    plan = ctx.exchange
+def _rank_exchange(ctx: BlockDiagCPContext, device: torch.device, window: int | None = None) -> RankExchange | None:
+    """This rank's device-ready exchange for layers with ``window`` (``None`` when nothing moves),
+    built once per step, device and window."""
+    slot = (device, window)
+    if slot in ctx.state.exchanges:
+        return ctx.state.exchanges[slot]
+    _, plan = ctx.plans_for(window)
     ex = None
     if plan is not None and plan.strategy != Strategy.NONE:
         transfer = plan.for_rank(ctx.cp_rank)
@@ -75,7 +77,7 @@ def _rank_exchange(ctx: BlockDiagCPContext, device: torch.device) -> RankExchang
             group=ctx.group,
             stats=ctx.state.comm,
         )
-    ctx.state.exchanges[device] = ex
+    ctx.state.exchanges[slot] = ex
     return ex
 
 
@@ -87,13 +89,12 @@ def _agreed_backends(ctx: BlockDiagCPContext, spec: KernelSpec, device: torch.de
     """
     if ctx.state.agreed_backends is None:
         _check_group(ctx)
-        config, plan = ctx.config, ctx.exchange
+        config = ctx.config
         ctx.state.agreed_backends = agree_on_backends(
             available_backends(spec, config.disabled_backends),
             _BACKEND_BITS,
             data_fingerprint=ctx.data_fingerprint,
-            plan_fingerprint=fingerprint(repr((plan.cp_size, plan.local_len, str(plan.strategy),
-                                                config.backend)).encode()),
+            plan_fingerprint=_plan_fingerprint(ctx),
             group=ctx.group,
             rank=ctx.cp_rank,
             size=ctx.cp_size,
@@ -101,6 +102,14 @@ def _agreed_backends(ctx: BlockDiagCPContext, spec: KernelSpec, device: torch.de
             device=device,
         )
     return ctx.state.agreed_backends
+
+
+def _plan_fingerprint(ctx: BlockDiagCPContext) -> int:
+    """Hash of what every rank must have planned alike: placement, windows, strategies, backend request."""
+    plans = [(None, ctx.exchange), *((w, ex) for w, (_, ex) in sorted(ctx.window_plans.items()))]
+    summary = repr((ctx.cp_size, ctx.local_len, ctx.config.backend, ctx.placement.kind,
+                    [(w, str(ex.strategy)) for w, ex in plans]))
+    return fingerprint(summary.encode(), ctx.placement.index.numpy().tobytes())
 
 
 def _backend(ctx: BlockDiagCPContext, spec: KernelSpec, device: torch.device) -> str:
@@ -131,11 +140,12 @@ def cp_attention(ctx: BlockDiagCPContext, query: torch.Tensor, key: torch.Tensor
         raise PlanError(f"CP attention expects one packed row per micro-batch and local keys: got query "
                         f"{tuple(query.shape)}, key {tuple(key.shape)}")
     ctx = ctx.to(query.device)
+    plan, _ = ctx.plans_for(window)
     spec = kernel_spec(query, key, value, dropout_p=dropout_p, window=window, softcap=softcap, sinks=sinks)
     backend = _backend(ctx, spec, query.device)
     num_kv_heads, head_dim, value_dim = key.shape[1], key.shape[3], value.shape[3]
     k_flat, v_flat = flat_rows(key), flat_rows(value)
-    ex = _rank_exchange(ctx, query.device)
+    ex = _rank_exchange(ctx, query.device, window)
     if ex is not None:
         # One fused buffer per layer: one collective forward, one backward (see distributed/exchange.py).
         kv = torch.cat([k_flat.reshape(local_len, -1), v_flat.reshape(local_len, -1)], dim=1)
@@ -144,7 +154,7 @@ def cp_attention(ctx: BlockDiagCPContext, query: torch.Tensor, key: torch.Tensor
         k_flat = kv[:, : num_kv_heads * head_dim].view(rows, num_kv_heads, head_dim)
         v_flat = kv[:, num_kv_heads * head_dim:].view(rows, num_kv_heads, value_dim)
     try:
-        return attend_flat(flat_rows(query), k_flat, v_flat, ctx.plan, backend, scale=scale, dropout_p=dropout_p,
+        return attend_flat(flat_rows(query), k_flat, v_flat, plan, backend, scale=scale, dropout_p=dropout_p,
                            window=window, softcap=softcap, sinks=sinks, config=ctx.config)
     except Exception as err:
         raise CPKernelError(f"CP rank {ctx.cp_rank}/{ctx.cp_size}: the {backend!r} attention kernel failed "

@@ -11,6 +11,7 @@ from .flattened import from_flattened
 from .packing import OVERFLOW_MODES, Piece, best_fit_decreasing, split_overflow
 from .rows import FullRows, PackedRow, assemble_rows, shift_row_labels
 from .sharding import rank_batch, resolve_cp
+from .windows import sliding_windows
 
 __all__ = [
     "Document",
@@ -27,5 +28,6 @@ __all__ = [
     "read_example",
     "resolve_cp",
     "shift_row_labels",
+    "sliding_windows",
     "split_overflow",
 ]

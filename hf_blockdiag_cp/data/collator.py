@@ -7,7 +7,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from .._validate import check_int
-from ..config import BlockDiagCPConfig
+from ..config import PLACEMENTS, BlockDiagCPConfig
 from ..distributed.groups import group_to_ref, ref_to_group
 from .examples import read_example
 from .packing import check_overflow, rows_of_documents
@@ -36,6 +36,12 @@ class PackingCollator:
         overflow: documents longer than ``seq_len``: ``"split"`` into ``seq_len`` pieces (each its own
             document, positions continuing), ``"truncate"``, or ``"error"``.
         config: the :class:`BlockDiagCPConfig` of every context built.
+        placement: which row positions each CP rank holds: ``"balanced"`` (balances attention work,
+            splitting as few documents as possible), ``"contiguous"`` or ``"zigzag"``; default
+            ``config.placement`` (``HF_BLOCKDIAG_CP_PLACEMENT``, else ``"balanced"``).
+        sliding_windows: the model's attention windows, ``None`` for full-attention layers (see
+            :func:`hf_blockdiag_cp.sliding_windows`): windowed layers then receive only the K/V
+            inside their window, and the balanced placement weighs work by them.
 
     Calling it on a list of examples (mappings with ``input_ids`` and optional ``labels``) packs them
     best-fit-decreasing and returns one batch dict: ``[B, S]`` at ``cp_size == 1`` (``B`` rows),
@@ -46,7 +52,8 @@ class PackingCollator:
 
     def __init__(self, seq_len: int, *, cp_size: int | None = None, cp_rank: int | None = None, group: Any = None,
                  pad_token_id: int, label_pad_id: int = -100, pad_to_multiple_of: int | None = None,
-                 overflow: str = "split", config: BlockDiagCPConfig | None = None) -> None:
+                 overflow: str = "split", config: BlockDiagCPConfig | None = None, placement: str | None = None,
+                 sliding_windows: Sequence[int | None] | None = None) -> None:
         self.cp_rank, self.cp_size, self.group = resolve_cp(group, cp_rank, cp_size)
         self.seq_len = check_int("seq_len", seq_len, minimum=1)
         multiple = row_multiple(self.cp_size, pad_to_multiple_of)
@@ -59,6 +66,15 @@ class PackingCollator:
         self.pad_to_multiple_of = pad_to_multiple_of
         self.overflow = check_overflow(overflow)
         self.config = config or BlockDiagCPConfig()
+        self.placement = self.config.placement if placement is None else placement
+        if self.placement not in PLACEMENTS:
+            raise ValueError(f"placement={self.placement!r} is not one of {', '.join(PLACEMENTS)}")
+        if self.placement == "zigzag" and seq_len % (2 * self.cp_size):
+            raise ValueError(f"placement='zigzag' needs seq_len={seq_len} divisible by 2 * cp_size = {2 * self.cp_size}")
+        self.sliding_windows = tuple(sliding_windows or ())
+        for window in self.sliding_windows:
+            if window is not None:
+                check_int("sliding_windows", window, minimum=1)
 
     def __getstate__(self) -> dict[str, Any]:
         # DataLoader workers started with "spawn" receive the collator pickled: send the CP group
@@ -76,7 +92,8 @@ class PackingCollator:
     def __repr__(self) -> str:
         return (f"PackingCollator(seq_len={self.seq_len}, cp_size={self.cp_size}, cp_rank={self.cp_rank}, "
                 f"pad_token_id={self.pad_token_id}, label_pad_id={self.label_pad_id}, "
-                f"pad_to_multiple_of={self.pad_to_multiple_of}, overflow={self.overflow!r})")
+                f"pad_to_multiple_of={self.pad_to_multiple_of}, overflow={self.overflow!r}, "
+                f"placement={self.placement!r}, sliding_windows={self.sliding_windows})")
 
     def pack(self, examples: Sequence[Any]) -> list[PackedRow]:
         """Validate ``examples`` and pack them into rows (best-fit-decreasing; no tensors built yet).
@@ -113,6 +130,7 @@ class PackingCollator:
                               label_pad_id=self.label_pad_id) for r in rows]
         num_items = sum(f.num_items for f in full)
         return [rank_batch(f, cp_rank=self.cp_rank, cp_size=self.cp_size, group=self.group, config=self.config,
+                           placement=self.placement, sliding_windows=self.sliding_windows,
                            num_items=num_items) for f in full]
 
     def __call__(self, examples: Sequence[Any]) -> dict[str, Any]:
@@ -125,7 +143,8 @@ class PackingCollator:
                 f"hf_blockdiag_cp.PackedDataset with batch size 1, or use PackingCollator.micro_batches()")
         full = assemble_rows([r.documents for r in rows], self.seq_len, pad_token_id=self.pad_token_id,
                              label_pad_id=self.label_pad_id)
-        return rank_batch(full, cp_rank=self.cp_rank, cp_size=self.cp_size, group=self.group, config=self.config)
+        return rank_batch(full, cp_rank=self.cp_rank, cp_size=self.cp_size, group=self.group, config=self.config,
+                          placement=self.placement, sliding_windows=self.sliding_windows)
 
     def _check_rows(self, rows: Sequence[PackedRow]) -> list[PackedRow]:
         for i, row in enumerate(rows):

@@ -1,11 +1,14 @@
-"""From full rows to one CP rank's batch: resolve the CP topology, build the context, slice.
+"""From full rows to one CP rank's batch: resolve the CP topology, build the context, gather.
 
-Contiguous sharding: the full row of ``S`` tokens is cut into ``cp_size`` shards of ``L = S / cp_size``;
-rank ``r`` owns global positions ``[r*L, (r+1)*L)`` (``BlockDiagCPContext.local_index``).
+The context's placement decides which ``L = S / cp_size`` positions of the full row of ``S`` tokens
+a rank holds (``BlockDiagCPContext.local_index``, ascending); every per-token tensor of the batch is
+the full row's tensor at those positions. Labels are shifted on the full row before this, so
+permuting tokens never changes what a token predicts.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import torch.distributed as dist
@@ -59,7 +62,8 @@ def row_multiple(cp_size: int, pad_to_multiple_of: int | None) -> int:
 
 
 def rank_batch(full: FullRows, *, cp_rank: int, cp_size: int, group: Any = None,
-               config: BlockDiagCPConfig | None = None, num_items: int | None = None) -> dict[str, Any]:
+               config: BlockDiagCPConfig | None = None, num_items: int | None = None, placement: str | None = None,
+               sliding_windows: Sequence[int | None] = ()) -> dict[str, Any]:
     """Rank ``cp_rank``'s batch of the full rows ``full`` (``[B, S]``; ``B == 1`` when ``cp_size > 1``).
 
     Returns:
@@ -73,13 +77,13 @@ def rank_batch(full: FullRows, *, cp_rank: int, cp_size: int, group: Any = None,
     # The tokens join the data fingerprint: CP ranks given different rows with the same layout fail
     # the step's agreement instead of training on different data.
     context = BlockDiagCPContext.build(full.doc_ids, cp_rank=cp_rank, cp_size=cp_size, group=group, config=config,
-                                       input_ids=full.input_ids)
-    local = slice(context.row_offset, context.row_offset + context.local_len)
+                                       input_ids=full.input_ids, placement=placement, sliding_windows=sliding_windows)
+    local = context.local_index
     return {
-        "input_ids": full.input_ids[:, local].contiguous(),
-        "position_ids": full.position_ids[:, local].contiguous(),
-        "labels": full.labels[:, local].contiguous(),
-        "shift_labels": full.shift_labels[:, local].contiguous(),
+        "input_ids": full.input_ids[:, local],
+        "position_ids": full.position_ids[:, local],
+        "labels": full.labels[:, local],
+        "shift_labels": full.shift_labels[:, local],
         # A Python int, not a 0-dim tensor: accelerate's batch dispatcher (used by the Trainer for
         # iterable datasets) concatenates and slices every tensor along dim 0, which 0-dim tensors fail.
         "num_items_in_batch": full.num_items if num_items is None else int(num_items),

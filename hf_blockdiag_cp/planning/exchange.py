@@ -1,36 +1,41 @@
 """The K/V exchange plan: which K/V rows every CP rank needs and how they move, built on the host.
 
-Every CP rank holds the same full-row ``doc_ids``, so every rank computes the same plan for all
-ranks with no communication and no device sync. Contiguous sharding: rank ``r`` owns global rows
-``[r*L, (r+1)*L)``; its real (non-padding) queries need keys from the start of the document that
-contains its first real row (possibly several ranks back) up to its last real row.
+Every CP rank holds the same full-row ``doc_ids`` and :class:`~.placement.Placement`, so every
+rank computes the same plan for all ranks with no communication and no device sync. A rank's real
+(non-padding) query at global position ``p`` needs the keys of its document from
+``max(document start, p - window + 1)`` to ``p``; a rank's *need* is the union over its queries, and
+the rows of the need held by other ranks are what it receives (each exactly once).
 
 Strategies (:class:`Strategy`, chosen by ``BlockDiagCPConfig.kv_exchange``):
 
-- ``none`` (only chosen by ``auto``): no document straddles a shard boundary; K/V stay local.
-- ``allgather``: every rank receives the whole row.
-- ``halo``: point-to-point send of exactly the straddling rows from the previous rank; valid only
-  when no rank needs rows from more than one rank back.
-- ``a2a``: ``all_to_all_single`` with exact uneven splits, for documents spanning any number of ranks.
-- ``auto``: ``none`` when nothing straddles, else the cheapest valid strategy by bytes (``halo`` and
-  ``a2a`` move the same rows; ``halo`` wins ties, needing no collective over the whole group).
+- ``none`` (only chosen by ``auto``): no rank needs another rank's rows; K/V stay local.
+- ``allgather``: every rank receives every row.
+- ``halo``: point-to-point; valid when every rank receives only the last rows of the previous rank
+  (contiguous placement, no document reaching back more than one rank).
+- ``a2a``: ``all_to_all_single`` with exact uneven splits and per-pair row lists: any placement.
+- ``auto``: ``none`` when nothing moves, else ``halo`` when valid (no collective over the whole
+  group), else ``a2a``; both move exactly the needed rows.
 
-With ``halo`` / ``a2a`` rank ``r``'s K/V buffer is ``[lo_r, (r+1)*L)``: received rows then its own.
+A rank's K/V buffer is its received rows (grouped by source rank, ascending positions) followed by
+its own ``L`` rows (all-gather: every rank's rows in rank order); :attr:`RankTransfer.buffer_positions`
+names the global position of every buffer row, which the varlen plan maps keys through.
 """
 
 from __future__ import annotations
 
 import enum
 import warnings
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
 from ..config import BlockDiagCPConfig
-from .documents import as_doc_ids
+from .documents import as_doc_ids, run_starts
+from .placement import Placement, contiguous_placement
 from .varlen import PlanError
 
-__all__ = ["ExchangePlan", "RankTransfer", "Strategy", "needed_ranges", "plan_exchange"]
+__all__ = ["ExchangePlan", "RankTransfer", "Strategy", "needed_positions", "plan_exchange"]
 
 
 class Strategy(str, enum.Enum):
@@ -45,29 +50,34 @@ class Strategy(str, enum.Enum):
         return self.value
 
 
-def needed_ranges(doc_ids_row: torch.Tensor, cp_size: int) -> tuple[tuple[int, int], ...]:
-    """Per rank, the global ``[lo, hi)`` K/V rows its real queries need (``lo == hi`` if none).
+def needed_positions(doc_ids_row: torch.Tensor, positions: torch.Tensor, window: int | None = None) -> torch.Tensor:
+    """Sorted global positions of the keys that the real queries at ``positions`` need.
 
     Args:
         doc_ids_row: ``[S]`` full-row document ids (0 = padding).
-        cp_size: ``P``; ``S`` must be divisible by it.
+        positions: ``[n]`` global positions of one rank's queries.
+        window: sliding window (keys ``p - window + 1 .. p``), ``None`` = the document's whole prefix.
     """
-    full_len = int(doc_ids_row.numel())
-    local_len = full_len // cp_size
-    ids = doc_ids_row.to(torch.int64)
-    positions = torch.arange(full_len)
-    change = torch.ones(full_len, dtype=torch.bool)
-    change[1:] = ids[1:] != ids[:-1]
-    # run_start[i]: first position of the run of equal ids containing i.
-    run_start = torch.cummax(torch.where(change, positions, torch.zeros_like(positions)), dim=0).values
-    real = (ids != 0).view(cp_size, local_len)
-    has_real = real.any(dim=1).tolist()
-    first = torch.argmax(real.to(torch.int8), dim=1)
-    last = local_len - 1 - torch.argmax(real.flip(1).to(torch.int8), dim=1)
-    base = torch.arange(cp_size) * local_len
-    lo = run_start[base + first].tolist()
-    hi = (base + last + 1).tolist()
-    return tuple((lo[r], hi[r]) if has_real[r] else (r * local_len, r * local_len) for r in range(cp_size))
+    row = doc_ids_row.to(torch.int64)
+    query = positions[row[positions] != 0]
+    if query.numel() == 0:
+        return torch.zeros(0, dtype=torch.int64)
+    query = torch.sort(query).values
+    low = run_starts(row)[query]
+    if window is not None:
+        low = torch.maximum(low, query - window + 1)
+    # Union of the intervals [low, query]: with queries ascending, a new interval starts where its
+    # low end lies beyond every earlier interval's end.
+    reach = torch.cummax(query, 0).values
+    fresh = torch.ones_like(query, dtype=torch.bool)
+    fresh[1:] = low[1:] > reach[:-1] + 1
+    group = torch.cumsum(fresh.to(torch.int64), 0) - 1
+    count = int(group[-1]) + 1
+    starts = torch.full((count,), row.numel(), dtype=torch.int64).scatter_reduce(0, group, low, "amin")
+    ends = torch.zeros(count, dtype=torch.int64).scatter_reduce(0, group, query + 1, "amax")
+    lengths = ends - starts
+    return torch.repeat_interleave(starts - (torch.cumsum(lengths, 0) - lengths), lengths) + torch.arange(
+        int(lengths.sum()))
 
 
 @dataclass(frozen=True, eq=False)
@@ -77,85 +87,78 @@ class RankTransfer:
     Attributes:
         rank: the rank these numbers are for.
         strategy: the plan's resolved strategy.
-        send_ranges: per destination rank, the global ``[lo, hi)`` rows sent to it (``(0, 0)``: none).
         send_splits / recv_splits: rows sent to / received from each rank (``halo`` / ``a2a``).
-        recv_rows: rows received per layer and prepended to the local rows (all-gather:
+        recv_rows: rows received per layer and placed before the local rows (all-gather:
             ``(P - 1) * L``).
         send_index: ``[sum(send_splits)]`` int64 local rows sent, grouped by destination (CPU).
+        buffer_positions: ``[R + L]`` (all-gather ``[P * L]``) int64 global position of every row of
+            the rank's K/V buffer after the exchange.
+        need: exact number of remote rows the rank's queries need (whatever the strategy moves).
     """
 
     rank: int
     strategy: Strategy
-    send_ranges: tuple[tuple[int, int], ...]
     send_splits: tuple[int, ...]
     recv_splits: tuple[int, ...]
     recv_rows: int
     send_index: torch.Tensor
+    buffer_positions: torch.Tensor
+    need: int
 
     @property
     def rows_sent(self) -> int:
         return sum(self.send_splits)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class ExchangePlan:
-    """How K/V rows move between the ``P`` ranks of one CP group for one step.
+    """How K/V rows move between the ``P`` ranks of one CP group for one step (one window).
 
     Attributes:
-        cp_size / local_len / full_len: ``P``, ``L`` and ``S = P * L``.
-        need: per rank, global ``[lo, hi)`` K/V rows its real queries need.
+        placement: which positions each rank holds.
+        window: the sliding window the need was computed for (``None`` = full causal).
         strategy: the resolved :class:`Strategy`.
-        halo_valid: whether every rank's remote need lies within the previous rank.
-        kv_ranges: per rank, the global ranges its K/V buffer holds, in buffer order.
+        halo_valid: whether every transfer is the sender's last rows to the next rank.
+        transfers: per rank, its :class:`RankTransfer`.
     """
 
-    cp_size: int
-    local_len: int
-    full_len: int
-    need: tuple[tuple[int, int], ...]
+    placement: Placement
+    window: int | None
     strategy: Strategy
     halo_valid: bool
-    kv_ranges: tuple[tuple[tuple[int, int], ...], ...]
+    transfers: tuple[RankTransfer, ...]
 
-    def send_range(self, src: int, dst: int) -> tuple[int, int]:
-        """Global ``[lo, hi)`` rows ``src`` sends to ``dst`` under ``halo`` / ``a2a`` (``(0, 0)``: none)."""
-        lo, hi = self.need[dst]
-        a = max(lo, src * self.local_len)
-        b = min(hi, dst * self.local_len, (src + 1) * self.local_len)
-        return (a, b) if src < dst and b > a else (0, 0)
+    @property
+    def cp_size(self) -> int:
+        return self.placement.cp_size
+
+    @property
+    def local_len(self) -> int:
+        return self.placement.local_len
+
+    @property
+    def full_len(self) -> int:
+        return self.placement.full_len
+
+    def for_rank(self, rank: int) -> RankTransfer:
+        """The splits, send rows and buffer layout of ``rank`` under the resolved strategy."""
+        if not 0 <= rank < self.cp_size:
+            raise PlanError(f"rank={rank} outside [0, cp_size={self.cp_size})")
+        return self.transfers[rank]
 
     def remote_rows(self, rank: int) -> int:
         """Rows ``rank`` needs from other ranks (the exact need, whatever the strategy)."""
-        lo, hi = self.need[rank]
-        return max(0, min(hi, rank * self.local_len) - lo) if hi > lo else 0
-
-    def for_rank(self, rank: int) -> RankTransfer:
-        """The splits, ranges and local send rows of ``rank`` under the resolved strategy."""
-        if not 0 <= rank < self.cp_size:
-            raise PlanError(f"rank={rank} outside [0, cp_size={self.cp_size})")
-        ranks = range(self.cp_size)
-        if self.strategy in (Strategy.NONE, Strategy.ALLGATHER):
-            nothing = tuple((0, 0) for _ in ranks)
-            recv = (self.cp_size - 1) * self.local_len if self.strategy == Strategy.ALLGATHER else 0
-            zeros = tuple(0 for _ in ranks)
-            return RankTransfer(rank, self.strategy, nothing, zeros, zeros, recv, torch.zeros(0, dtype=torch.int64))
-        send_ranges = tuple(self.send_range(rank, dst) for dst in ranks)
-        recv_splits = tuple(b - a for a, b in (self.send_range(src, rank) for src in ranks))
-        base = rank * self.local_len
-        pieces = [torch.arange(a - base, b - base) for a, b in send_ranges if b > a]
-        send_index = torch.cat(pieces) if pieces else torch.zeros(0, dtype=torch.int64)
-        return RankTransfer(rank, self.strategy, send_ranges, tuple(b - a for a, b in send_ranges), recv_splits,
-                            sum(recv_splits), send_index)
+        return self.transfers[rank].need
 
     def rows_received(self, rank: int) -> int:
         """K/V rows ``rank`` receives per layer under the resolved strategy."""
-        return self.for_rank(rank).recv_rows
+        return self.transfers[rank].recv_rows
 
     def rows_sent(self, rank: int) -> int:
         """K/V rows ``rank`` sends per layer under the resolved strategy."""
         if self.strategy == Strategy.ALLGATHER:
             return (self.cp_size - 1) * self.local_len
-        return self.for_rank(rank).rows_sent
+        return self.transfers[rank].rows_sent
 
     def bytes_per_layer(self, rank: int, *, num_kv_heads: int, head_dim: int, value_dim: int | None = None,
                         dtype: torch.dtype = torch.bfloat16) -> dict[str, int]:
@@ -164,8 +167,17 @@ class ExchangePlan:
         return {"sent": self.rows_sent(rank) * row, "received": self.rows_received(rank) * row}
 
 
-def plan_exchange(doc_ids: torch.Tensor, *, cp_size: int, config: BlockDiagCPConfig | None = None) -> ExchangePlan:
-    """Plan the K/V exchange for one packed row ``doc_ids [S]`` or ``[1, S]`` over ``cp_size`` ranks."""
+def plan_exchange(doc_ids: torch.Tensor, *, cp_size: int, config: BlockDiagCPConfig | None = None,
+                  placement: Placement | None = None, window: int | None = None) -> ExchangePlan:
+    """Plan the K/V exchange for one packed row ``doc_ids [S]`` or ``[1, S]`` over ``cp_size`` ranks.
+
+    Args:
+        doc_ids: the full row's document ids (0 = padding).
+        cp_size: ``P``; ``S`` must be divisible by it.
+        config: its ``kv_exchange`` picks the strategy.
+        placement: which positions each rank holds (default: contiguous).
+        window: plan for a layer with this sliding window (``None``: full causal layers).
+    """
     config = config or BlockDiagCPConfig()
     ids = as_doc_ids(doc_ids)
     if ids.shape[0] != 1:
@@ -174,25 +186,56 @@ def plan_exchange(doc_ids: torch.Tensor, *, cp_size: int, config: BlockDiagCPCon
     full_len = int(row.numel())
     if cp_size < 1 or full_len % cp_size:
         raise PlanError(f"the row length S={full_len} is not divisible by cp_size={cp_size}")
-    local_len = full_len // cp_size
-    need = needed_ranges(row, cp_size)
-    remote = [max(0, min(hi, r * local_len) - lo) if hi > lo else 0 for r, (lo, hi) in enumerate(need)]
-    halo_valid = all(lo >= (r - 1) * local_len for r, (lo, hi) in enumerate(need) if hi > lo and remote[r])
+    placement = placement or contiguous_placement(full_len, cp_size)
+    if placement.cp_size != cp_size or placement.full_len != full_len:
+        raise PlanError(f"the placement is for P={placement.cp_size}, S={placement.full_len}, not P={cp_size}, "
+                        f"S={full_len}")
+    local_len = placement.local_len
+    owner, local_row = placement.owner()
+    # recv[d][s]: sorted global positions rank d needs from rank s.
+    recv: list[list[torch.Tensor]] = []
+    for dst in range(cp_size):
+        need = needed_positions(row, placement.index[dst], window)
+        remote = need[owner[need] != dst]
+        recv.append([remote[owner[remote] == src] for src in range(cp_size)])
+    counts = [[int(recv[d][s].numel()) for s in range(cp_size)] for d in range(cp_size)]
+    moved = any(counts[d][s] for d in range(cp_size) for s in range(cp_size))
+    halo_valid = all(
+        not counts[d][s] or (s == d - 1 and torch.equal(local_row[recv[d][s]],
+                                                        torch.arange(local_len - counts[d][s], local_len)))
+        for d in range(cp_size) for s in range(cp_size))
     requested = config.kv_exchange
     if requested == "auto":
-        strategy = Strategy.NONE if not any(remote) else (Strategy.HALO if halo_valid else Strategy.A2A)
+        strategy = Strategy.NONE if not moved else (Strategy.HALO if halo_valid else Strategy.A2A)
     elif requested == "halo" and not halo_valid:
-        warnings.warn("kv_exchange='halo' cannot serve a document reaching back more than one rank this step; "
-                      "using 'a2a'", stacklevel=2)
+        warnings.warn("kv_exchange='halo' cannot serve this step's placement (a rank needs rows other than the "
+                      "previous rank's last ones); using 'a2a'", stacklevel=2)
         strategy = Strategy.A2A
     else:
         strategy = Strategy(requested)
-    if strategy == Strategy.NONE:
-        ranges = tuple(((r * local_len, (r + 1) * local_len),) for r in range(cp_size))
-    elif strategy == Strategy.ALLGATHER:
-        ranges = tuple(((0, full_len),) for _ in range(cp_size))
-    else:
-        ranges = tuple(((min(need[r][0], r * local_len) if need[r][1] > need[r][0] else r * local_len,
-                         (r + 1) * local_len),) for r in range(cp_size))
-    return ExchangePlan(cp_size=cp_size, local_len=local_len, full_len=full_len, need=need, strategy=strategy,
-                        halo_valid=halo_valid, kv_ranges=ranges)
+    transfers = []
+    for rank in range(cp_size):
+        need = sum(counts[rank])
+        own = placement.index[rank]
+        if strategy == Strategy.NONE:
+            zeros = (0,) * cp_size
+            transfers.append(RankTransfer(rank, strategy, zeros, zeros, 0, torch.zeros(0, dtype=torch.int64), own,
+                                          need))
+        elif strategy == Strategy.ALLGATHER:
+            zeros = (0,) * cp_size
+            transfers.append(RankTransfer(rank, strategy, zeros, zeros, (cp_size - 1) * local_len,
+                                          torch.zeros(0, dtype=torch.int64), placement.index.flatten(), need))
+        else:
+            sent = [recv[dst][rank] for dst in range(cp_size)]
+            received = torch.cat(recv[rank])
+            transfers.append(RankTransfer(
+                rank, strategy,
+                send_splits=tuple(int(t.numel()) for t in sent),
+                recv_splits=tuple(counts[rank]),
+                recv_rows=need,
+                send_index=local_row[torch.cat(sent)],
+                buffer_positions=torch.cat([received, own]),
+                need=need,
+            ))
+    return ExchangePlan(placement=placement, window=window, strategy=strategy, halo_valid=halo_valid,
+                        transfers=tuple(transfers))

@@ -203,8 +203,14 @@ def _concat_ranges(starts: list[int], lens: list[int]) -> torch.Tensor:
 
 
 def plan_from_segments(segments: Sequence[Segment], *, batch_size: int, q_rows: int, kv_rows: int,
-                       kv_ranges: Sequence[tuple[int, int]] | None = None, validate: bool = True) -> VarlenPlan:
-    """Build a :class:`VarlenPlan` (CPU tensors) from explicit segments."""
+                       kv_ranges: Sequence[tuple[int, int]] | None = None, kv_order: torch.Tensor | None = None,
+                       validate: bool = True) -> VarlenPlan:
+    """Build a :class:`VarlenPlan` (CPU tensors) from explicit segments.
+
+    ``kv_order [kv_rows]`` (optional, ``B = 1``): the segments' key rows are coordinates of the
+    buffer sorted by global position, and ``kv_order[i]`` is the real buffer row holding sorted row
+    ``i`` (an exchange that lays received rows before the local ones); the key gather goes through it.
+    """
     segs = tuple(sorted(segments, key=lambda s: s.q_start))
     q_lens = [s.q_len for s in segs]
     k_lens = [s.k_len for s in segs]
@@ -216,6 +222,13 @@ def plan_from_segments(segments: Sequence[Segment], *, batch_size: int, q_rows: 
         raise PlanError(f"Tk={host_cu_k[-1]} packed key rows overflow int32 cu_seqlens_k")
     q_contiguous = all(s.q_start == (segs[i - 1].q_start + segs[i - 1].q_len if i else 0) for i, s in enumerate(segs))
     k_contiguous = all(s.k_start == segs[i - 1].k_start + segs[i - 1].k_len for i, s in enumerate(segs) if i)
+    k_offset = segs[0].k_start if (segs and k_contiguous) else 0
+    k_index = None if k_contiguous else _concat_ranges([s.k_start for s in segs], k_lens)
+    if kv_order is not None and segs:
+        rows = kv_order[torch.arange(k_offset, k_offset + host_cu_k[-1]) if k_index is None else k_index]
+        # Still one slice of the buffer (e.g. contiguous placement: received rows precede own rows).
+        k_contiguous = bool(torch.equal(rows, torch.arange(int(rows[0]), int(rows[0]) + rows.numel())))
+        k_index, k_offset = (None, int(rows[0])) if k_contiguous else (rows, 0)
     plan = VarlenPlan(
         batch_size=batch_size,
         q_rows=q_rows,
@@ -229,8 +242,8 @@ def plan_from_segments(segments: Sequence[Segment], *, batch_size: int, q_rows: 
         max_seqlen_q=max(q_lens, default=0),
         max_seqlen_k=max(k_lens, default=0),
         q_index=None if q_contiguous else _concat_ranges([s.q_start for s in segs], q_lens),
-        k_index=None if k_contiguous else _concat_ranges([s.k_start for s in segs], k_lens),
-        k_offset=segs[0].k_start if (segs and k_contiguous) else 0,
+        k_index=k_index,
+        k_offset=k_offset,
     )
     if validate:
         plan.validate()
@@ -239,6 +252,7 @@ def plan_from_segments(segments: Sequence[Segment], *, batch_size: int, q_rows: 
 
 def build_varlen_plan(doc_ids: torch.Tensor | Sequence[int], *, local_len: int | None = None, row_offset: int = 0,
                       pieces: Sequence[QueryPiece] | None = None, kv_ranges: Sequence[tuple[int, int]] | None = None,
+                      kv_positions: torch.Tensor | None = None, window: int | None = None,
                       batch_size: int | None = None, validate: bool = True) -> VarlenPlan:
     """Plan the local rows of one rank from full-row document ids.
 
@@ -248,6 +262,10 @@ def build_varlen_plan(doc_ids: torch.Tensor | Sequence[int], *, local_len: int |
         row_offset: global position of local row 0 (contiguous sharding); ignored with ``pieces``.
         pieces: where the local rows sit in the full row, for non-contiguous placements.
         kv_ranges: global ranges the K/V buffer holds, in order (default: the whole row).
+        kv_positions: ``[S_kv]`` global position of every K/V buffer row, in any order (one row,
+            ``B = 1``; replaces ``kv_ranges``): the buffer an exchange produced.
+        window: a sliding window: a segment's keys start at ``max(document start, first query -
+            window + 1)`` (earlier keys are invisible to every query of the segment).
         batch_size: ``B`` to expand a 1-D ``doc_ids`` to.
         validate: check the plan before returning it.
 
@@ -262,6 +280,20 @@ def build_varlen_plan(doc_ids: torch.Tensor | Sequence[int], *, local_len: int |
         if row_offset < 0 or local_len < 0 or row_offset + local_len > full_len:
             raise PlanError(f"row_offset={row_offset} + L={local_len} exceeds the row length S={full_len}")
         pieces = [QueryPiece(b, 0, row_offset, local_len) for b in range(num_rows)]
+    kv_order = None
+    if kv_positions is not None:
+        if num_rows != 1 or kv_ranges is not None:
+            raise PlanError("kv_positions describes the buffer of one row (B=1) and replaces kv_ranges")
+        ordered, kv_order = torch.sort(kv_positions.to(torch.int64))
+        if ordered.numel() and (bool((ordered[1:] == ordered[:-1]).any()) or int(ordered[0]) < 0
+                                or int(ordered[-1]) >= full_len):
+            raise PlanError(f"kv_positions must be distinct positions in [0, {full_len})")
+        breaks = (torch.nonzero(ordered[1:] != ordered[:-1] + 1).flatten() + 1).tolist()
+        firsts = [0, *breaks]
+        lasts = [*breaks, ordered.numel()]
+        kv_ranges = [(int(ordered[a]), int(ordered[b - 1]) + 1) for a, b in zip(firsts, lasts) if b > a]
+    if window is not None and window < 1:
+        raise PlanError(f"window={window} must be >= 1")
     ranges = tuple(kv_ranges) if kv_ranges is not None else ((0, full_len),)
     range_starts, range_offsets, acc = [], [], 0
     for lo, hi in ranges:
@@ -300,14 +332,15 @@ def build_varlen_plan(doc_ids: torch.Tensor | Sequence[int], *, local_len: int |
             qa, qb = max(ds, gs), min(de, gs + n)
             if qa >= qb:
                 continue
+            ks = ds if window is None else max(ds, qa - window + 1)
             segments.append(Segment(
                 q_start=b * local_len + piece.local_start + (qa - gs),
                 q_len=qb - qa,
-                k_start=b * kv_rows + buffer_row(ds, qb),
-                k_len=qb - ds,
+                k_start=b * kv_rows + buffer_row(ks, qb),
+                k_len=qb - ks,
             ))
     return plan_from_segments(segments, batch_size=num_rows, q_rows=local_len, kv_rows=kv_rows, kv_ranges=ranges,
-                              validate=validate)
+                              kv_order=kv_order, validate=validate)
 
 
 def _validate(plan: VarlenPlan) -> None:

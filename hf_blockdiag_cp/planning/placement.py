@@ -1,0 +1,310 @@
+"""Placement: which global positions of a packed row each CP rank holds, decided on the host per step.
+
+Under a block-diagonal mask documents are independent, so the collator is free to choose which
+documents — or pieces of them — each rank holds. A :class:`Placement` maps every position of the
+row of ``S`` tokens to one of ``P`` ranks; every rank holds exactly ``L = S / P`` positions, kept
+in ascending order (a rank's local rows are its positions sorted, so consecutive positions stay
+consecutive local rows and form one kernel segment per document piece).
+
+Kinds:
+
+- ``contiguous``: rank ``r`` holds ``[r*L, (r+1)*L)``. Least communication, but a CP step is as
+  slow as its slowest rank, and causal work per rank is badly unbalanced for document masks.
+- ``zigzag``: the row cut into ``2P`` chunks; rank ``r`` holds chunks ``r`` and ``2P-1-r``. Balanced
+  for one document filling the row, not for many documents.
+- ``balanced``: documents are placed whole where they fit, and only documents too long or too
+  heavy for one rank are split, head-tail over the fewest ranks that balance them
+  (:func:`balanced_placement`).
+
+Work model: a query at in-document offset ``t`` attends ``t + 1`` keys (``min(t + 1, w)`` under a
+sliding window ``w``); a rank's work is the sum over its queries, averaged over the model's windows.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from ..config import PLACEMENTS
+from .documents import document_spans, run_starts
+from .varlen import PlanError, QueryPiece
+
+__all__ = [
+    "PLACEMENTS",
+    "Placement",
+    "balanced_placement",
+    "contiguous_placement",
+    "make_placement",
+    "piece_work",
+    "rank_work",
+    "zigzag_placement",
+]
+
+
+@dataclass(frozen=True, eq=False)
+class Placement:
+    """Global positions held by each CP rank.
+
+    Attributes:
+        kind: the name of the scheme that made it (one of :data:`PLACEMENTS`).
+        index: ``[P, L]`` int64; ``index[r]`` are rank ``r``'s global positions in ascending order
+            (its ``local_index``). Together the rows are a permutation of ``[0, S)``.
+    """
+
+    kind: str
+    index: torch.Tensor
+
+    @property
+    def cp_size(self) -> int:
+        return self.index.shape[0]
+
+    @property
+    def local_len(self) -> int:
+        return self.index.shape[1]
+
+    @property
+    def full_len(self) -> int:
+        return self.index.numel()
+
+    @property
+    def is_contiguous(self) -> bool:
+        """Whether rank ``r`` holds exactly ``[r*L, (r+1)*L)``."""
+        return bool(torch.equal(self.index.flatten(), torch.arange(self.full_len)))
+
+    def owner(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(rank [S], local_row [S])``: who holds each global position, and at which local row."""
+        rank = torch.empty(self.full_len, dtype=torch.int64)
+        row = torch.empty(self.full_len, dtype=torch.int64)
+        flat = self.index.flatten()
+        rank[flat] = torch.arange(self.cp_size).repeat_interleave(self.local_len)
+        row[flat] = torch.arange(self.local_len).repeat(self.cp_size)
+        return rank, row
+
+    def pieces(self, rank: int) -> list[QueryPiece]:
+        """Rank ``rank``'s local rows as runs of consecutive global positions (batch row 0)."""
+        positions = self.index[rank]
+        breaks = torch.nonzero(positions[1:] != positions[:-1] + 1).flatten() + 1
+        starts = [0, *breaks.tolist()]
+        ends = [*breaks.tolist(), self.local_len]
+        first = positions[starts].tolist() if self.local_len else []
+        return [QueryPiece(0, a, g, b - a) for a, b, g in zip(starts, ends, first)]
+
+    @classmethod
+    def from_owner(cls, kind: str, owner: torch.Tensor, cp_size: int) -> Placement:
+        """The placement in which rank ``owner[p]`` holds position ``p`` (``owner [S]``, each rank ``S / P`` times)."""
+        counts = torch.bincount(owner.clamp(min=0), minlength=cp_size)
+        if bool((owner < 0).any()) or not bool((counts == owner.numel() // cp_size).all()):
+            raise PlanError(f"placement {kind!r} does not give every rank exactly {owner.numel() // cp_size} "
+                            f"positions (counts {counts.tolist()})")
+        # A stable sort by rank keeps each rank's positions ascending.
+        index = torch.sort(owner, stable=True).indices.view(cp_size, -1)
+        return cls(kind, index)
+
+    def validate(self) -> None:
+        """Raise :class:`PlanError` unless the rows are sorted and together a permutation of ``[0, S)``."""
+        if self.index.dim() != 2 or self.index.dtype != torch.int64:
+            raise PlanError(f"placement index must be int64 [P, L], got {self.index.dtype} {tuple(self.index.shape)}")
+        if self.local_len > 1 and not bool((self.index[:, 1:] > self.index[:, :-1]).all()):
+            raise PlanError(f"placement {self.kind!r}: every rank's positions must be strictly ascending")
+        if not torch.equal(torch.sort(self.index.flatten()).values, torch.arange(self.full_len)):
+            raise PlanError(f"placement {self.kind!r} is not a permutation of the row's {self.full_len} positions")
+
+
+def contiguous_placement(full_len: int, cp_size: int) -> Placement:
+    """Rank ``r`` holds ``[r*L, (r+1)*L)``."""
+    return Placement("contiguous", torch.arange(full_len, dtype=torch.int64).view(cp_size, full_len // cp_size))
+
+
+def zigzag_placement(full_len: int, cp_size: int) -> Placement:
+    """The row in ``2P`` equal chunks; rank ``r`` holds chunks ``r`` and ``2P - 1 - r``."""
+    if full_len % (2 * cp_size):
+        raise PlanError(f"placement='zigzag' needs the row length S={full_len} divisible by 2 * cp_size = "
+                        f"{2 * cp_size}; use a seq_len that is, or another placement")
+    chunks = torch.arange(full_len, dtype=torch.int64).view(2 * cp_size, -1)
+    return Placement("zigzag", torch.cat([chunks[:cp_size], chunks.flip(0)[:cp_size]], dim=1))
+
+
+def piece_work(start: int, end: int, windows: Sequence[int | None] = (None,)) -> float:
+    """Causal query-key pairs of a document's queries at offsets ``[start, end)``, averaged over ``windows``."""
+    total = 0.0
+    for window in windows:
+        if window is None:
+            total += (end * (end + 1) - start * (start + 1)) / 2
+        else:
+            # Offsets below the window see t + 1 keys, the rest see the full window.
+            mid = min(max(start, window), end)
+            total += (mid * (mid + 1) - start * (start + 1)) / 2 + (end - mid) * window
+    return total / len(windows)
+
+
+def rank_work(doc_ids_row: torch.Tensor, placement: Placement, windows: Sequence[int | None] = (None,)
+              ) -> torch.Tensor:
+    """``[P]`` float64 causal pairs each rank's queries attend (the work model of :func:`balanced_placement`)."""
+    row = doc_ids_row.to(torch.int64)
+    offset = (torch.arange(row.numel()) - run_starts(row)).to(torch.float64)
+    per_token = torch.zeros_like(offset)
+    for window in windows:
+        per_token += offset + 1 if window is None else torch.clamp(offset + 1, max=window)
+    per_token = torch.where(row != 0, per_token / len(windows), 0.0)
+    return per_token[placement.index].sum(dim=1)
+
+
+@dataclass
+class _Item:
+    """Positions placed together on one rank: a whole document or a head-tail pair of its chunks."""
+
+    work: float
+    ranges: list[tuple[int, int]]
+    doc: int
+
+    @property
+    def tokens(self) -> int:
+        return sum(b - a for a, b in self.ranges)
+
+
+def _head_tail_items(doc: int, start: int, length: int, parts: int,
+                     windows: Sequence[int | None]) -> list[_Item]:
+    """Split a document into ``2 * parts`` chunks; item ``j`` holds chunks ``j`` and ``2*parts-1-j``,
+    so every item has (nearly) the same tokens and the same causal work."""
+    bounds = [start + (length * i) // (2 * parts) for i in range(2 * parts + 1)]
+    items = []
+    for j in range(parts):
+        head = (bounds[j], bounds[j + 1])
+        tail = (bounds[2 * parts - 1 - j], bounds[2 * parts - j])
+        work = sum(piece_work(a - start, b - start, windows) for a, b in (head, tail))
+        items.append(_Item(work, [r for r in (head, tail) if r[1] > r[0]], doc))
+    return items
+
+
+def balanced_placement(doc_ids_row: torch.Tensor, cp_size: int, *, tolerance: float = 0.05,
+                       windows: Sequence[int | None] = (None,), max_rounds: int = 16) -> Placement:
+    """Balance causal work over ranks while splitting as few documents as possible.
+
+    1. Every document longer than ``L`` is split head-tail (chunks ``j`` and ``2k-1-j`` of ``2k``
+       together) over the fewest ``k`` ranks whose pieces fit ``L`` tokens; the others stay whole.
+    2. Items (whole documents and split pieces) are placed heaviest first on the least loaded rank
+       that has room for their tokens, pieces of one document on different ranks where possible;
+       an item that fits no rank whole is cut into contiguous parts over the ranks with most room.
+       Padding positions fill the remaining room, so every rank holds exactly ``L`` positions.
+    3. While the most loaded rank exceeds the mean by more than ``tolerance``, its heaviest
+       document is split over one more rank and the items are placed again (at most
+       ``max_rounds`` times; the most balanced placement seen wins).
+
+    ``tolerance`` is the one knob trading communication for balance: a split document's earlier
+    rows must reach the ranks holding its later rows, so fewer splits move fewer K/V rows. Cost per
+    round: ``O(D log D + D * P)`` host work for ``D`` documents, plus one ``O(S)`` pass.
+
+    Args:
+        doc_ids_row: ``[S]`` document ids of the full row (0 = padding).
+        cp_size: ``P``; ``S`` must be divisible by it.
+        tolerance: accepted excess of the most loaded rank's work over the mean (>= 0).
+        windows: the model's attention windows (``None`` = full causal) for the work model.
+        max_rounds: bound on re-placement rounds.
+    """
+    if not tolerance >= 0:
+        raise ValueError(f"balance tolerance={tolerance!r} must be >= 0")
+    row = doc_ids_row.to(torch.int64).flatten()
+    full_len = row.numel()
+    local_len = full_len // cp_size
+    spans = document_spans(row)
+    parts = [max(1, math.ceil((end - start) / local_len)) for start, end in spans]
+    pad = torch.nonzero(row == 0).flatten()
+    best: tuple[float, list[list[tuple[int, int]]], list[int]] | None = None
+    for _ in range(max_rounds + 1):
+        held, load, room, docs_by_weight, spilled = _assign(spans, parts, cp_size, local_len, windows)
+        mean = sum(load) / cp_size
+        worst = max(range(cp_size), key=lambda r: load[r])
+        ratio = load[worst] / mean if mean else 1.0
+        if best is None or ratio < best[0]:
+            best = (ratio, held, room)
+        if ratio <= 1 + tolerance:
+            break
+
+        def splittable(d: int) -> bool:
+            return parts[d] < cp_size and 2 * (parts[d] + 1) <= spans[d][1] - spans[d][0]
+
+        # A document cut contiguously because no rank had room for its piece gets smaller pieces;
+        # else the heaviest document of the most loaded rank that can still be split is split further.
+        grow = [d for d in spilled if splittable(d)] or [d for d in docs_by_weight[worst] if splittable(d)][:1]
+        if not grow:
+            break
+        for d in grow:
+            parts[d] += 1
+    _, held, room = best
+    owner = torch.full((full_len,), -1, dtype=torch.int64)
+    taken = 0
+    for rank in range(cp_size):
+        for a, b in held[rank]:
+            owner[a:b] = rank
+        owner[pad[taken:taken + room[rank]]] = rank
+        taken += room[rank]
+    return Placement.from_owner("balanced", owner, cp_size)
+
+
+def _assign(spans: list[tuple[int, int]], parts: list[int], cp_size: int, local_len: int,
+            windows: Sequence[int | None]
+            ) -> tuple[list[list[tuple[int, int]]], list[float], list[int], list[list[int]], list[int]]:
+    """One placement round: ``(ranges per rank, work per rank, room left per rank, documents per rank
+    heaviest first, documents cut because their piece fit no rank)``."""
+    items: list[_Item] = []
+    for doc, (start, end) in enumerate(spans):
+        if parts[doc] == 1:
+            items.append(_Item(piece_work(0, end - start, windows), [(start, end)], doc))
+        else:
+            items.extend(_head_tail_items(doc, start, end - start, parts[doc], windows))
+    items.sort(key=lambda it: (-it.work, -it.tokens))
+    load = [0.0] * cp_size
+    room = [local_len] * cp_size
+    held: list[list[tuple[int, int]]] = [[] for _ in range(cp_size)]
+    docs_on: list[list[int]] = [[] for _ in range(cp_size)]  # items come heaviest first
+    spilled: list[int] = []
+    for item in items:
+        tokens = item.tokens
+        fits = [r for r in range(cp_size) if room[r] >= tokens]
+        if not fits:
+            _spill(item, spans[item.doc][0], windows, load, room, held)
+            spilled.append(item.doc)
+            continue
+        apart = [r for r in fits if item.doc not in docs_on[r]] or fits
+        rank = min(apart, key=lambda r: (load[r], -room[r]))
+        held[rank].extend(item.ranges)
+        load[rank] += item.work
+        room[rank] -= tokens
+        docs_on[rank].append(item.doc)
+    return held, load, room, docs_on, spilled
+
+
+def _spill(item: _Item, doc_start: int, windows: Sequence[int | None], load: list[float], room: list[int],
+           held: list[list[tuple[int, int]]]) -> None:
+    """Cut ``item`` into contiguous parts over the ranks with most room (no rank has room for all of it)."""
+    queue = list(item.ranges)
+    for rank in sorted(range(len(room)), key=lambda r: -room[r]):
+        while queue and room[rank]:
+            a, b = queue.pop(0)
+            cut = min(b, a + room[rank])
+            held[rank].append((a, cut))
+            load[rank] += piece_work(a - doc_start, cut - doc_start, windows)
+            room[rank] -= cut - a
+            if cut < b:
+                queue.insert(0, (cut, b))
+        if not queue:
+            return
+    raise PlanError("balanced placement ran out of room (more real tokens than the row holds)")
+
+
+def make_placement(doc_ids_row: torch.Tensor, cp_size: int, kind: str, *, tolerance: float = 0.1,
+                   windows: Sequence[int | None] = (None,)) -> Placement:
+    """The placement ``kind`` (one of :data:`PLACEMENTS`) of the row ``doc_ids_row [S]`` over ``cp_size`` ranks."""
+    full_len = int(doc_ids_row.numel())
+    if cp_size < 1 or full_len % cp_size:
+        raise PlanError(f"the row length S={full_len} is not divisible by cp_size={cp_size}")
+    if kind == "contiguous" or cp_size == 1:
+        return contiguous_placement(full_len, cp_size)
+    if kind == "zigzag":
+        return zigzag_placement(full_len, cp_size)
+    if kind == "balanced":
+        return balanced_placement(doc_ids_row, cp_size, tolerance=tolerance, windows=windows)
+    raise ValueError(f"placement={kind!r} is not one of {', '.join(PLACEMENTS)}")
