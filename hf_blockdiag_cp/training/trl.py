@@ -168,6 +168,9 @@ class CPSFTTrainer(CPTrainer, SFTTrainer):
     def _setup_cp(self) -> None:
         """Install the CP collator and the packed rows, then run :class:`CPTrainer`'s checks."""
         args, mesh = self.args, self.mesh
+        if self._is_vision_dataset:
+            raise NotImplementedError("CPSFTTrainer does not support vision datasets: TRL prepares them in its own "
+                                      "collator at every step, so they cannot be packed into rows beforehand")
         collator = self._cp_collator
         if collator is None:
             collator = PackingCollator(args.max_length, group=mesh["cp"] if mesh is not None else None,
