@@ -120,7 +120,8 @@ def make_trainer_class():
 
 
 def documents_of_rows(input_ids: torch.Tensor, labels: torch.Tensor, doc_ids: torch.Tensor) -> list[tuple]:
-    """``[(input_ids [n], labels [n]), ...]``: every document (maximal run of one non-zero id) of full rows ``[B, S]``."""
+    """``[(input_ids [n], labels [n]), ...]``: every document (a maximal run of one non-zero id) of the full
+    rows ``[B, S]``."""
     docs = []
     for ids, lab, doc in zip(input_ids, labels, doc_ids):
         start = 0
@@ -251,8 +252,7 @@ def check_parity(reference, shards_per_rank, trainer, loss_cp: float, grads_cp: 
     for _, parts in sorted(by_row.items()):
         row = [parts[r] for r in sorted(parts)]
         docs += documents_of_rows(torch.cat([p["input_ids"] for p in row], dim=1),
-                                  torch.cat([p["labels"] for p in row], dim=1), row[0]["doc_ids"][None]
-                                  if row[0]["doc_ids"].dim() == 1 else row[0]["doc_ids"])
+                                  torch.cat([p["labels"] for p in row], dim=1), row[0]["doc_ids"])  # [1, S] each
     base = reference.get_base_model() if hasattr(reference, "get_base_model") else reference
     base.set_attn_implementation("sdpa")  # stock attention: the documents alone, no packing, no CP
     reference.train()
@@ -265,20 +265,21 @@ def check_parity(reference, shards_per_rank, trainer, loss_cp: float, grads_cp: 
     parity = {"reference": "on 1 process, every document alone (sdpa)", "loss_cp": loss_cp,
               "loss_no_cp": loss.item(), "abs_loss_diff": abs(loss_cp - loss.item()),
               "max_grad_diff": max((grads_cp[n] - g).abs().max().item() for n, g in ref_grads.items()),
-              "grads_compared": sorted(ref_grads), "min_max_abs_grad": min(g.abs().max().item()
-                                                                           for g in ref_grads.values()),
+              "grads_compared": sorted(ref_grads),
+              "min_max_abs_grad": min(g.abs().max().item() for g in ref_grads.values()),
               "documents": len(docs), "targets": count}
     if eval_loss_cp is not None:
         reference.zero_grad(set_to_none=True)
         reference.eval()
         rows = trainer.eval_dataset.rows
         ref_eval = eval_reference(reference, rows, dp_size, device)
-        local = trainer.args.max_length // trainer.mesh["cp"].size() if trainer.mesh is not None else None
-        parity.update(eval_loss_cp=eval_loss_cp, eval_loss_no_cp=ref_eval, abs_eval_loss_diff=abs(eval_loss_cp - ref_eval),
-                      eval_rows=len(rows),
+        cp_size = trainer.mesh["cp"].size() if trainer.mesh is not None else 1
+        last_shard_start = trainer.args.max_length - trainer.args.max_length // cp_size
+        parity.update(eval_loss_cp=eval_loss_cp, eval_loss_no_cp=ref_eval,
+                      abs_eval_loss_diff=abs(eval_loss_cp - ref_eval), eval_rows=len(rows),
                       # rows whose last CP shard is all padding: where a mean of per-rank means goes wrong
-                      eval_rows_with_a_padding_only_shard=sum(len(r) <= trainer.args.max_length - local
-                                                              for r in rows) if local else 0)
+                      eval_rows_with_a_padding_only_shard=sum(len(r) <= last_shard_start for r in rows)
+                      if cp_size > 1 else 0)
     return parity
 
 

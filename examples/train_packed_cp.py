@@ -195,7 +195,8 @@ def main(argv: list[str] | None = None) -> dict:
     peaks = gather_floats(peak_memory_bytes(), world)
     kv = gather_floats(kv_bytes, world)
     summary = {
-        "world": world, "wrapper": wrapper, "lora": args.lora, "fsdp2": sharded, "dp_size": coords["dp_size"], "cp_size": coords["cp_size"], "seq_len": args.seq_len,
+        "world": world, "wrapper": wrapper, "lora": args.lora, "fsdp2": sharded, "dp_size": coords["dp_size"],
+        "cp_size": coords["cp_size"], "seq_len": args.seq_len,
         "steps": args.steps, "first_loss": losses[0], "last_loss": losses[-1], "losses": losses,
         "tokens_per_s": tokens_per_s,
         "peak_memory_gib_per_rank": [p / 2**30 for p in peaks],

@@ -188,7 +188,8 @@ def main(argv: list[str] | None = None) -> dict:
                       "grads": "after clipping to max_grad_norm" if args.max_grad_norm > 0 else "unclipped"}
     exchange = trainer.last_context.exchange
     summary = {
-        "world": world, "lora": args.lora, "dp_size": coords["dp_size"], "cp_size": coords["cp_size"], "seq_len": args.seq_len,
+        "world": world, "lora": args.lora, "dp_size": coords["dp_size"], "cp_size": coords["cp_size"],
+        "seq_len": args.seq_len,
         "steps": len(losses), "first_loss": losses[0], "last_loss": losses[-1], "losses": losses,
         "tokens_per_s": tokens_per_s, "peak_memory_gib_per_rank": [p / 2**30 for p in peaks],
         "peak_memory_kind": "cuda max_memory_allocated" if torch.cuda.is_available() else "process max RSS",

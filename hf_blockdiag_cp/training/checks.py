@@ -100,8 +100,8 @@ def check_collator(collator: Any, mesh: DeviceMesh | None) -> None:
     size, rank, where = topology
     if size != coords["cp_size"] or rank != coords["cp_rank"]:
         raise ValueError(f"the data_collator {_name(collator)} shards rows for cp_size={size}, cp_rank={rank} (from "
-                         f"{where}) but the mesh has cp_size={coords['cp_size']}, cp_rank={coords['cp_rank']}; build it "
-                         "with the mesh's CP group (group=mesh['cp'])")
+                         f"{where}) but the mesh has cp_size={coords['cp_size']}, cp_rank={coords['cp_rank']}; "
+                         "build it with the mesh's CP group (group=mesh['cp'])")
 
 
 def _name(collator: Any) -> str:

@@ -208,8 +208,8 @@ class CPTrainer(Trainer):
             # function collator is trusted on its attributes): one int comparison per step catches it.
             if (ctx.cp_size, ctx.cp_rank) != (coords["cp_size"], coords["cp_rank"]):
                 raise ValueError(f"the batch's cp_context is for cp_size={ctx.cp_size}, cp_rank={ctx.cp_rank} but the "
-                                 f"mesh has cp_size={coords['cp_size']}, cp_rank={coords['cp_rank']}: the data_collator "
-                                 "must shard rows with the mesh's CP group (group=mesh['cp'])")
+                                 f"mesh has cp_size={coords['cp_size']}, cp_rank={coords['cp_rank']}: the "
+                                 "data_collator must shard rows with the mesh's CP group (group=mesh['cp'])")
             if ctx.cp_size > 1 and ctx.group is None:
                 inputs = {**inputs, "cp_context": dataclasses.replace(ctx, group=self.mesh["cp"].get_group(),
                                                                       state={})}
