@@ -38,6 +38,32 @@ class ByteTokenizer:
         return bytes(i for i in ids if i < 256).decode("utf-8", errors="replace")
 
 
+#: A chat template with ``{% generation %}`` markers (TRL's assistant-only loss reads them).
+CHAT_TEMPLATE = (
+    "{%- for m in messages -%}"
+    "{%- if m['role'] == 'assistant' -%}<|assistant|>{% generation %}{{ m['content'] }}<|end|>{% endgeneration %}"
+    "{%- else -%}<|user|>{{ m['content'] }}<|end|>{%- endif -%}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}<|assistant|>{%- endif -%}")
+
+
+def byte_chat_tokenizer():
+    """A Hugging Face fast tokenizer over UTF-8 bytes (one token per byte, no merges) with ``<s>``, ``</s>`` (EOS
+    and padding) and the chat tokens of :data:`CHAT_TEMPLATE`: what TRL needs (it takes only
+    ``PreTrainedTokenizerBase`` processing classes), built offline. 261 tokens."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())  # the 256 byte symbols
+    backend = Tokenizer(models.BPE(vocab={c: i for i, c in enumerate(alphabet)}, merges=[]))
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    backend.decoder = decoders.ByteLevel()
+    backend.add_special_tokens(["<s>", "</s>", "<|user|>", "<|assistant|>", "<|end|>"])
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, bos_token="<s>", eos_token="</s>", pad_token="</s>")
+    tokenizer.chat_template = CHAT_TEMPLATE
+    return tokenizer
+
+
 def stdlib_python_files() -> list[str]:
     """The Python standard library's ``*.py`` files: real documents of varied length on any machine."""
     root = sysconfig.get_paths()["stdlib"]
@@ -149,7 +175,9 @@ def add_common_args(parser) -> None:
     p.add_argument("--max-docs", type=int, default=None, help="use at most this many documents")
     p.add_argument("--max-chars", type=int, default=None, help="cut every document to this many characters")
     p.add_argument("--seq-len", type=int, default=2048, help="tokens per packed row (all CP ranks together)")
-    p.add_argument("--cp-size", type=int, default=1, help="ranks sharing one row (must divide the world size)")
+    p.add_argument("--cp-size", type=int, default=None,
+                   help="ranks sharing one row (must divide the world size); default: all processes form one CP "
+                        "group (use --cp-size 1 for plain data parallelism)")
     p.add_argument("--backend", default="auto", choices=bd.BACKENDS)
     p.add_argument("--kv-exchange", default="auto", choices=bd.KV_EXCHANGES)
     p.add_argument("--steps", type=int, default=20, help="optimizer steps")
@@ -162,6 +190,49 @@ def add_common_args(parser) -> None:
     p.add_argument("--output-dir", default=None, help="save the trained model here")
     p.add_argument("--summary-json", default=None, help="write the final summary here (main process)")
     p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--lora", action="store_true", help="train a PEFT LoRA adapter instead of all weights")
+    p.add_argument("--lora-r", type=int, default=8, help="LoRA rank")
+    p.add_argument("--lora-alpha", type=float, default=16.0, help="LoRA scaling numerator (scale = alpha / r)")
+    p.add_argument("--lora-target-modules", default="q_proj,v_proj",
+                   help="comma-separated module names that get an adapter")
+    p.add_argument("--lora-init", default="default", choices=["default", "random"],
+                   help="'default': PEFT's (B = 0, the adapter starts as the identity); 'random': B random too, so "
+                        "that every adapter matrix has a gradient in step 1 (what --check-parity then compares)")
+
+
+def resolve_cp_size(requested: int | None, world: int) -> int:
+    """The CP size of a run: ``--cp-size`` if given, else every process in one CP group (the one place the
+    default is decided; ``--cp-size 1`` asks for plain data parallelism)."""
+    cp_size = world if requested is None else requested
+    if world == 1 and cp_size > 1:
+        raise SystemExit(f"--cp-size {cp_size} needs {cp_size} processes: launch with accelerate launch "
+                         "--config_file configs/accelerate/cpu_cp2.yaml (or torchrun)")
+    return cp_size
+
+
+def refuse_accelerate_cp() -> None:
+    """Exit if accelerate's own context parallelism is set (config file or launcher flag), before anything of
+    accelerate's starts: its CP forces a causal mask over packed documents, and on CPU it is refused with a
+    message that does not point here, or (as a launcher flag) dropped without a word."""
+    from hf_blockdiag_cp.training.checks import check_no_accelerate_cp
+
+    try:
+        check_no_accelerate_cp()
+    except ValueError as err:
+        raise SystemExit(str(err)) from None
+
+
+def apply_lora(model, args):
+    """``model`` wrapped as a PEFT LoRA model per ``--lora-*`` (only the adapters train), or ``model`` unchanged."""
+    if not args.lora:
+        return model
+    from peft import LoraConfig, get_peft_model
+
+    targets = [t.strip() for t in args.lora_target_modules.split(",") if t.strip()]
+    config = LoraConfig(r=args.lora_r, lora_alpha=args.lora_alpha, target_modules=targets, lora_dropout=0.0,
+                        task_type="CAUSAL_LM", init_lora_weights=args.lora_init == "default")
+    torch.manual_seed(args.seed)  # the same adapters on every rank
+    return get_peft_model(model, config)
 
 
 def load_documents(args, tokenizer) -> list[dict]:
@@ -190,9 +261,25 @@ def gather_floats(value: float, world: int) -> list[float]:
     return [x.item() for x in out]
 
 
+def mesh_description(world: int, dp_size: int, cp_size: int) -> str:
+    """What a run's mesh is, in words: ``world 2 = dp 1 x cp 2``, with ``(no CP)`` when ``cp_size == 1``."""
+    return f"world {world} = dp {dp_size} x cp {cp_size}" + (" (no CP)" if cp_size == 1 else "")
+
+
+def parity_label(world: int, dp_size: int, cp_size: int) -> str:
+    """How the step that ``--check-parity`` compares actually ran (so a run without CP never says "with CP")."""
+    if cp_size > 1:
+        return f"with CP (dp {dp_size} x cp {cp_size})"
+    if world > 1:
+        return f"with data parallelism only (dp {dp_size} x cp 1, no CP)"
+    return "on 1 process (no CP)"
+
+
 def report(summary: dict, summary_json: str | None) -> None:
     """Print the final summary (and the parity line tests look for); write it as JSON if asked."""
     losses = summary["losses"]
+    ran = mesh_description(summary["world"], summary["dp_size"], summary["cp_size"])
+    print(f"mesh: {ran}")
     print(f"loss: step 1 {losses[0]:.4f} -> step {len(losses)} {losses[-1]:.4f}")
     print(f"throughput: {summary['tokens_per_s']:,.0f} tokens/s (world {summary['world']}, cp {summary['cp_size']}, "
           f"seq_len {summary['seq_len']})")
@@ -203,8 +290,13 @@ def report(summary: dict, summary_json: str | None) -> None:
         ", ".join(f"{b / 2**20:.2f}" for b in summary["kv_exchange_bytes_per_step_per_rank"])))
     parity = summary.get("parity")
     if parity is not None:
-        print(f"parity: loss with CP {parity['loss_cp']:.8f} without CP {parity['loss_no_cp']:.8f} "
+        ran = parity_label(summary["world"], summary["dp_size"], summary["cp_size"])
+        reference = parity.get("reference", "without CP (1 process)")
+        print(f"parity: loss {ran} {parity['loss_cp']:.8f} {reference} {parity['loss_no_cp']:.8f} "
               f"|dloss| {parity['abs_loss_diff']:.2e} max|dgrad| {parity['max_grad_diff']:.2e}")
+        if "eval_loss_cp" in parity:
+            print(f"parity: eval_loss {ran} {parity['eval_loss_cp']:.8f} {reference} {parity['eval_loss_no_cp']:.8f} "
+                  f"|deval_loss| {parity['abs_eval_loss_diff']:.2e}")
     if summary_json:
         with open(summary_json, "w", encoding="utf-8") as fh:
             json.dump(summary, fh, indent=2)

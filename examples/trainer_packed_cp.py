@@ -29,11 +29,14 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import hf_blockdiag_cp as bd  # noqa: E402  (registers attn_implementation="blockdiag_cp")
 from common import (  # noqa: E402
     add_common_args,
+    apply_lora,
     gather_floats,
     load_documents,
     load_model_and_tokenizer,
     peak_memory_bytes,
+    refuse_accelerate_cp,
     report,
+    resolve_cp_size,
 )
 from hf_blockdiag_cp.attention.cp import comm_stats  # noqa: E402
 
@@ -119,6 +122,7 @@ def reference_step(ref_model, rows: dict[str, torch.Tensor], config, max_grad_no
 
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
+    refuse_accelerate_cp()  # before TrainingArguments starts accelerate
     output_dir = args.output_dir or tempfile.mkdtemp(prefix="trainer_packed_cp_")
     # use_cpu: on a machine without GPU, `accelerate launch` (torchrun path) + use_cpu=True gives a
     # MULTI_CPU gloo run; `.device` sets up accelerate's state, which initialises the process group.
@@ -133,16 +137,15 @@ def main(argv: list[str] | None = None) -> dict:
     main_process = targs.process_index == 0
     logging.basicConfig(level=logging.INFO if main_process else logging.WARNING,
                         format="%(asctime)s %(name)s: %(message)s")
-    if world == 1 and args.cp_size > 1:
-        raise SystemExit(f"--cp-size {args.cp_size} needs {args.cp_size} processes: launch with accelerate launch "
-                         "--config_file configs/accelerate/cpu_cp2.yaml (or torchrun)")
+    cp_size = resolve_cp_size(args.cp_size, world)
     if world > 1 and not dist.is_initialized():
         raise SystemExit("accelerate did not initialise torch.distributed: launch with accelerate launch or torchrun")
-    mesh = bd.init_device_mesh(args.cp_size) if world > 1 else None
+    mesh = bd.init_device_mesh(cp_size) if world > 1 else None
     coords = bd.cp_coordinates(mesh)
     config = bd.BlockDiagCPConfig(backend=args.backend, kv_exchange=args.kv_exchange)
 
     model, tokenizer = load_model_and_tokenizer(args.model, getattr(torch, args.dtype))
+    model = apply_lora(model, args)
     docs = load_documents(args, tokenizer)
     dataset = bd.PackedDataset(docs, args.seq_len, seed=args.seed)
     collator = bd.PackingCollator(args.seq_len, group=mesh["cp"] if mesh is not None else None,
@@ -180,11 +183,13 @@ def main(argv: list[str] | None = None) -> dict:
                                                  args.max_grad_norm, device)
             grad_diff = max((probe.first_grads[n] - g).abs().max().item() for n, g in ref_grads.items())
             parity = {"loss_cp": losses[0], "loss_no_cp": ref_loss, "abs_loss_diff": abs(losses[0] - ref_loss),
-                      "max_grad_diff": grad_diff,
+                      "max_grad_diff": grad_diff, "grads_compared": sorted(ref_grads),
+                      "min_max_abs_grad": min(g.abs().max().item() for g in ref_grads.values()),
                       "grads": "after clipping to max_grad_norm" if args.max_grad_norm > 0 else "unclipped"}
     exchange = trainer.last_context.exchange
     summary = {
-        "world": world, "dp_size": coords["dp_size"], "cp_size": coords["cp_size"], "seq_len": args.seq_len,
+        "world": world, "lora": args.lora, "dp_size": coords["dp_size"], "cp_size": coords["cp_size"],
+        "seq_len": args.seq_len,
         "steps": len(losses), "first_loss": losses[0], "last_loss": losses[-1], "losses": losses,
         "tokens_per_s": tokens_per_s, "peak_memory_gib_per_rank": [p / 2**30 for p in peaks],
         "peak_memory_kind": "cuda max_memory_allocated" if torch.cuda.is_available() else "process max RSS",

@@ -62,7 +62,9 @@ def test_cpu_config_launches_the_example_loss_falls_and_parity_holds(tmp_path):
     assert result["last_loss"] < result["losses"][0]
     parity = result["parity"]
     assert parity["abs_loss_diff"] <= 1e-5 and parity["max_grad_diff"] <= 1e-4
-    assert re.search(r"parity: loss with CP [\d.]+ without CP [\d.]+ \|dloss\| ", result["stdout"])
+    assert re.search(r"parity: loss with CP \(dp 1 x cp 2\) [\d.]+ without CP \(1 process\) [\d.]+ \|dloss\| ",
+                     result["stdout"])
+    assert "mesh: world 2 = dp 1 x cp 2" in result["stdout"]
     assert "tokens/s" in result["stdout"] and "K/V exchanged per step" in result["stdout"]
     # --output-dir: a normal checkpoint that loads back with the plugin.
     import torch

@@ -29,7 +29,7 @@ from transformers.utils import is_datasets_available
 from ..attention.hf import ATTN_IMPLEMENTATION
 from ..context import BlockDiagCPContext, StepState
 from ..data import PackedDataset
-from .checks import check_collator, guard_model
+from .checks import check_collator, check_no_accelerate_cp, guard_model
 from .data import dp_dataloader
 from .mesh import cp_coordinates
 
@@ -99,7 +99,16 @@ class CPTrainer(Trainer):
 
     def __init__(self, *args: Any, mesh: DeviceMesh | None = None, **kwargs: Any) -> None:
         self.mesh = mesh
+        # Before the Trainer builds its Accelerator: on CPU accelerate refuses its own CP with a message that does
+        # not point here, and a launcher flag it drops would otherwise go unnoticed.
+        check_no_accelerate_cp(kwargs.get("args", args[1] if len(args) > 1 else None))
         super().__init__(*args, **kwargs)
+        check_no_accelerate_cp(self.args, self.accelerator)
+        self._setup_cp()
+
+    def _setup_cp(self) -> None:
+        """Checks run once the stock Trainer is built (subclasses that install their own data first extend it)."""
+        mesh = self.mesh
         coords = cp_coordinates(mesh)  # also rejects a mesh that is not ("dp", "cp")
         if mesh is not None and mesh.size() != self.args.world_size:
             raise ValueError(f"mesh has {mesh.size()} ranks but the Trainer runs {self.args.world_size} processes; "
@@ -193,9 +202,17 @@ class CPTrainer(Trainer):
         """Attach the mesh's CP group to contexts built without one (a collator made with ``cp_rank``/``cp_size``
         and no ``group``, e.g. for DataLoader workers), then the stock device placement."""
         ctx = inputs.get("cp_context") if isinstance(inputs, Mapping) else None
-        if (self.mesh is not None and isinstance(ctx, BlockDiagCPContext) and ctx.cp_size > 1
-                and ctx.group is None):
-            inputs = {**inputs, "cp_context": dataclasses.replace(ctx, group=self.mesh["cp"].get_group(), state=StepState())}
+        if self.mesh is not None and isinstance(ctx, BlockDiagCPContext):
+            coords = cp_coordinates(self.mesh)
+            # A collator that exposed the right topology at construction may still build other contexts (a
+            # function collator is trusted on its attributes): one int comparison per step catches it.
+            if (ctx.cp_size, ctx.cp_rank) != (coords["cp_size"], coords["cp_rank"]):
+                raise ValueError(f"the batch's cp_context is for cp_size={ctx.cp_size}, cp_rank={ctx.cp_rank} but the "
+                                 f"mesh has cp_size={coords['cp_size']}, cp_rank={coords['cp_rank']}: the "
+                                 "data_collator must shard rows with the mesh's CP group (group=mesh['cp'])")
+            if ctx.cp_size > 1 and ctx.group is None:
+                inputs = {**inputs, "cp_context": dataclasses.replace(ctx, group=self.mesh["cp"].get_group(),
+                                                                      state=StepState())}
         return super()._prepare_inputs(inputs)
 
     def train(self, *args: Any, **kwargs: Any) -> Any:
