@@ -261,6 +261,16 @@ def gather_floats(value: float, world: int) -> list[float]:
     return [x.item() for x in out]
 
 
+def full_row(shards: list[dict], key: str) -> torch.Tensor:
+    """The ``[1, S]`` full row of ``key`` from every CP rank's ``[1, L]`` shard, each placed at its
+    ``local_index`` (the context's placement need not be contiguous)."""
+    first = shards[0][key]
+    out = first.new_empty(1, first.shape[1] * len(shards))
+    for shard in shards:
+        out[0, shard["local_index"]] = shard[key][0]
+    return out
+
+
 def mesh_description(world: int, dp_size: int, cp_size: int) -> str:
     """What a run's mesh is, in words: ``world 2 = dp 1 x cp 2``, with ``(no CP)`` when ``cp_size == 1``."""
     return f"world {world} = dp {dp_size} x cp {cp_size}" + (" (no CP)" if cp_size == 1 else "")

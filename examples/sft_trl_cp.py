@@ -33,6 +33,7 @@ from common import (  # noqa: E402
     add_common_args,
     apply_lora,
     byte_chat_tokenizer,
+    full_row,
     gather_floats,
     peak_memory_bytes,
     read_corpus,
@@ -112,7 +113,8 @@ def make_trainer_class():
                 self.last_context = ctx
                 if self.state.global_step == 0:
                     shard = {k: inputs[k].detach().cpu() for k in ("input_ids", "labels")}
-                    self.first_step_shards.append({**shard, "doc_ids": ctx.doc_ids, "cp_rank": ctx.cp_rank})
+                    self.first_step_shards.append({**shard, "doc_ids": ctx.doc_ids, "cp_rank": ctx.cp_rank,
+                                                    "local_index": ctx.local_index})
             return super().compute_loss(model, inputs, return_outputs=return_outputs,
                                         num_items_in_batch=num_items_in_batch)
 
@@ -251,8 +253,7 @@ def check_parity(reference, shards_per_rank, trainer, loss_cp: float, grads_cp: 
     docs = []
     for _, parts in sorted(by_row.items()):
         row = [parts[r] for r in sorted(parts)]
-        docs += documents_of_rows(torch.cat([p["input_ids"] for p in row], dim=1),
-                                  torch.cat([p["labels"] for p in row], dim=1), row[0]["doc_ids"])  # [1, S] each
+        docs += documents_of_rows(full_row(row, "input_ids"), full_row(row, "labels"), row[0]["doc_ids"])  # [1, S]
     base = reference.get_base_model() if hasattr(reference, "get_base_model") else reference
     base.set_attn_implementation("sdpa")  # stock attention: the documents alone, no packing, no CP
     reference.train()

@@ -30,6 +30,7 @@ import hf_blockdiag_cp as bd  # noqa: E402  (registers attn_implementation="bloc
 from common import (  # noqa: E402
     add_common_args,
     apply_lora,
+    full_row,
     gather_floats,
     load_documents,
     load_model_and_tokenizer,
@@ -69,7 +70,8 @@ class MeasuredCPTrainer(bd.CPTrainer):
             self.last_context = ctx
             if self.keep_first_step and self.state.global_step == 0:
                 shard = {k: inputs[k].detach().cpu() for k in ("input_ids", "position_ids", "shift_labels")}
-                self.first_step_shards.append({**shard, "doc_ids": ctx.doc_ids, "cp_rank": ctx.cp_rank})
+                self.first_step_shards.append({**shard, "doc_ids": ctx.doc_ids, "cp_rank": ctx.cp_rank,
+                                                    "local_index": ctx.local_index})
         return super().compute_loss(model, inputs, return_outputs=return_outputs,
                                     num_items_in_batch=num_items_in_batch)
 
@@ -99,8 +101,7 @@ def first_step_rows(shards_per_rank: list[tuple[list[dict], int]]) -> dict[str, 
         for micro, shard in enumerate(rank_shards):
             by_row[(dp_rank, micro)][shard["cp_rank"]] = shard
     rows = [[parts[r] for r in sorted(parts)] for _, parts in sorted(by_row.items())]
-    full = {k: torch.cat([torch.cat([p[k] for p in row], dim=1) for row in rows])
-            for k in ("input_ids", "position_ids", "shift_labels")}
+    full = {k: torch.cat([full_row(row, k) for row in rows]) for k in ("input_ids", "position_ids", "shift_labels")}
     full["doc_ids"] = torch.cat([row[0]["doc_ids"] for row in rows])
     return full
 
