@@ -23,9 +23,10 @@ sliding window ``w``); a rank's work is the sum over its queries, averaged over 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from ..config import PLACEMENTS
@@ -99,8 +100,8 @@ class Placement:
         if bool((owner < 0).any()) or not bool((counts == owner.numel() // cp_size).all()):
             raise PlanError(f"placement {kind!r} does not give every rank exactly {owner.numel() // cp_size} "
                             f"positions (counts {counts.tolist()})")
-        # A stable sort by rank keeps each rank's positions ascending.
-        index = torch.sort(owner, stable=True).indices.view(cp_size, -1)
+        # A stable sort by rank keeps each rank's positions ascending (numpy's is a radix sort here).
+        index = torch.from_numpy(np.argsort(owner.numpy().astype(np.int16), kind="stable")).view(cp_size, -1)
         return cls(kind, index)
 
     def validate(self) -> None:
@@ -154,15 +155,22 @@ def rank_work(doc_ids_row: torch.Tensor, placement: Placement, windows: Sequence
 
 @dataclass
 class _Item:
-    """Positions placed together on one rank: a whole document or a head-tail pair of its chunks."""
+    """Positions placed together on one rank: a whole document, a head-tail pair of its chunks, or
+    (when no rank had room for a piece) a contiguous part of one."""
 
     work: float
+    tokens: int
     ranges: list[tuple[int, int]]
     doc: int
 
-    @property
-    def tokens(self) -> int:
-        return sum(b - a for a, b in self.ranges)
+
+def _item(doc: int, doc_start: int, ranges: list[tuple[int, int]], windows: Sequence[int | None]) -> _Item:
+    if len(ranges) == 1:  # a whole document: the common case
+        a, b = ranges[0]
+        return _Item(piece_work(a - doc_start, b - doc_start, windows), b - a, ranges, doc)
+    ranges = [(a, b) for a, b in ranges if b > a]
+    work = sum(piece_work(a - doc_start, b - doc_start, windows) for a, b in ranges)
+    return _Item(work, sum(b - a for a, b in ranges), ranges, doc)
 
 
 def _head_tail_items(doc: int, start: int, length: int, parts: int,
@@ -170,13 +178,8 @@ def _head_tail_items(doc: int, start: int, length: int, parts: int,
     """Split a document into ``2 * parts`` chunks; item ``j`` holds chunks ``j`` and ``2*parts-1-j``,
     so every item has (nearly) the same tokens and the same causal work."""
     bounds = [start + (length * i) // (2 * parts) for i in range(2 * parts + 1)]
-    items = []
-    for j in range(parts):
-        head = (bounds[j], bounds[j + 1])
-        tail = (bounds[2 * parts - 1 - j], bounds[2 * parts - j])
-        work = sum(piece_work(a - start, b - start, windows) for a, b in (head, tail))
-        items.append(_Item(work, [r for r in (head, tail) if r[1] > r[0]], doc))
-    return items
+    return [_item(doc, start, [(bounds[j], bounds[j + 1]), (bounds[2 * parts - 1 - j], bounds[2 * parts - j])],
+                  windows) for j in range(parts)]
 
 
 def balanced_placement(doc_ids_row: torch.Tensor, cp_size: int, *, tolerance: float = 0.05,
@@ -212,14 +215,15 @@ def balanced_placement(doc_ids_row: torch.Tensor, cp_size: int, *, tolerance: fl
     spans = document_spans(row)
     parts = [max(1, math.ceil((end - start) / local_len)) for start, end in spans]
     pad = torch.nonzero(row == 0).flatten()
-    best: tuple[float, list[list[tuple[int, int]]], list[int]] | None = None
+    best: tuple[float, list[list[_Item]], list[int]] | None = None
     for _ in range(max_rounds + 1):
-        held, load, room, docs_by_weight, spilled = _assign(spans, parts, cp_size, local_len, windows)
+        placed, load, room, spilled = _assign(spans, parts, cp_size, local_len, windows)
+        _improve(placed, load, room)
         mean = sum(load) / cp_size
         worst = max(range(cp_size), key=lambda r: load[r])
         ratio = load[worst] / mean if mean else 1.0
         if best is None or ratio < best[0]:
-            best = (ratio, held, room)
+            best = (ratio, placed, room)
         if ratio <= 1 + tolerance:
             break
 
@@ -227,69 +231,134 @@ def balanced_placement(doc_ids_row: torch.Tensor, cp_size: int, *, tolerance: fl
             return parts[d] < cp_size and 2 * (parts[d] + 1) <= spans[d][1] - spans[d][0]
 
         # A document cut contiguously because no rank had room for its piece gets smaller pieces;
-        # else the heaviest document of the most loaded rank that can still be split is split further.
-        grow = [d for d in spilled if splittable(d)] or [d for d in docs_by_weight[worst] if splittable(d)][:1]
+        # else the cheapest document of the most loaded rank to split further is split.
+        grow = [d for d in spilled if splittable(d)] or _cheapest_split(
+            [it.doc for it in placed[worst]], load[worst] - mean, spans, parts, splittable, windows)
         if not grow:
             break
         for d in grow:
             parts[d] += 1
-    _, held, room = best
-    owner = torch.full((full_len,), -1, dtype=torch.int64)
+    _, placed, room = best
+    owner = np.full(full_len, -1, dtype=np.int64)  # numpy: a thousand slice writes cost microseconds
+    pad_np = pad.numpy()
     taken = 0
     for rank in range(cp_size):
-        for a, b in held[rank]:
-            owner[a:b] = rank
-        owner[pad[taken:taken + room[rank]]] = rank
+        for item in placed[rank]:
+            for a, b in item.ranges:
+                owner[a:b] = rank
+        owner[pad_np[taken:taken + room[rank]]] = rank
         taken += room[rank]
-    return Placement.from_owner("balanced", owner, cp_size)
+    return Placement.from_owner("balanced", torch.from_numpy(owner), cp_size)
+
+
+def _cheapest_split(docs: list[int], excess: float, spans: list[tuple[int, int]], parts: list[int],
+                    splittable: Callable[[int], bool], windows: Sequence[int | None]) -> list[int]:
+    """The document of the most loaded rank to split over one more rank: the shortest one whose
+    split sheds at least the rank's excess work (splitting moves about its length in K/V), else
+    the heaviest splittable one."""
+    candidates = [d for d in docs if splittable(d)]
+    if not candidates:
+        return []
+
+    def shed(d: int) -> float:
+        work = piece_work(0, spans[d][1] - spans[d][0], windows)
+        return work / parts[d] - work / (parts[d] + 1)
+
+    enough = [d for d in candidates if shed(d) >= excess]
+    if enough:
+        return [min(enough, key=lambda d: spans[d][1] - spans[d][0])]
+    return [max(candidates, key=shed)]
 
 
 def _assign(spans: list[tuple[int, int]], parts: list[int], cp_size: int, local_len: int,
-            windows: Sequence[int | None]
-            ) -> tuple[list[list[tuple[int, int]]], list[float], list[int], list[list[int]], list[int]]:
-    """One placement round: ``(ranges per rank, work per rank, room left per rank, documents per rank
-    heaviest first, documents cut because their piece fit no rank)``."""
+            windows: Sequence[int | None]) -> tuple[list[list[_Item]], list[float], list[int], list[int]]:
+    """One placement round: ``(items per rank heaviest first, work per rank, room left per rank,
+    documents cut because their piece fit no rank)``."""
     items: list[_Item] = []
     for doc, (start, end) in enumerate(spans):
         if parts[doc] == 1:
-            items.append(_Item(piece_work(0, end - start, windows), [(start, end)], doc))
+            items.append(_item(doc, start, [(start, end)], windows))
         else:
             items.extend(_head_tail_items(doc, start, end - start, parts[doc], windows))
     items.sort(key=lambda it: (-it.work, -it.tokens))
     load = [0.0] * cp_size
     room = [local_len] * cp_size
-    held: list[list[tuple[int, int]]] = [[] for _ in range(cp_size)]
-    docs_on: list[list[int]] = [[] for _ in range(cp_size)]  # items come heaviest first
+    placed: list[list[_Item]] = [[] for _ in range(cp_size)]
+    docs_on: list[set[int]] = [set() for _ in range(cp_size)]
     spilled: list[int] = []
     for item in items:
-        tokens = item.tokens
-        fits = [r for r in range(cp_size) if room[r] >= tokens]
-        if not fits:
-            _spill(item, spans[item.doc][0], windows, load, room, held)
-            spilled.append(item.doc)
-            continue
-        apart = [r for r in fits if item.doc not in docs_on[r]] or fits
-        rank = min(apart, key=lambda r: (load[r], -room[r]))
-        held[rank].extend(item.ranges)
+        lightest = min(range(cp_size), key=lambda r: (load[r], -room[r]))
+        if room[lightest] >= item.tokens and item.doc not in docs_on[lightest]:
+            rank = lightest  # the common case
+        else:
+            fits = [r for r in range(cp_size) if room[r] >= item.tokens]
+            if not fits:
+                _spill(item, spans[item.doc][0], windows, load, room, placed)
+                spilled.append(item.doc)
+                continue
+            apart = [r for r in fits if item.doc not in docs_on[r]] or fits
+            rank = min(apart, key=lambda r: (load[r], -room[r]))
+        placed[rank].append(item)
+        docs_on[rank].add(item.doc)
         load[rank] += item.work
-        room[rank] -= tokens
-        docs_on[rank].append(item.doc)
-    return held, load, room, docs_on, spilled
+        room[rank] -= item.tokens
+    return placed, load, room, spilled
+
+
+def _improve(placed: list[list[_Item]], load: list[float], room: list[int], *, steps: int = 8,
+             width: int = 16) -> None:
+    """Local search: move a whole item off the most loaded rank, or swap it for a lighter one, while
+    that lowers the pair's maximum (only whole items move: no new split, no new K/V traffic beyond
+    where the pieces already were). Looks at the ``width`` heaviest items of each rank."""
+    ranks = range(len(load))
+    for _ in range(steps):
+        worst = max(ranks, key=lambda r: load[r])
+        best: tuple[float, int, int, int | None] | None = None
+        for i, a in enumerate(placed[worst][:width]):
+            for r in ranks:
+                if r == worst:
+                    continue
+                if room[r] >= a.tokens:
+                    peak = max(load[worst] - a.work, load[r] + a.work)
+                    if peak < load[worst] and (best is None or peak < best[0]):
+                        best = (peak, i, r, None)
+                for j, b in enumerate(placed[r][:width]):
+                    if b.work < a.work and room[r] + b.tokens >= a.tokens and room[worst] + a.tokens >= b.tokens:
+                        peak = max(load[worst] - a.work + b.work, load[r] + a.work - b.work)
+                        if peak < load[worst] and (best is None or peak < best[0]):
+                            best = (peak, i, r, j)
+        if best is None:
+            return
+        _, i, r, j = best
+        moves = [(worst, r, placed[worst][i])] + ([] if j is None else [(r, worst, placed[r][j])])
+        for src, dst, item in moves:
+            placed[src].remove(item)
+            placed[dst].append(item)
+            load[src] -= item.work
+            load[dst] += item.work
+            room[src] += item.tokens
+            room[dst] -= item.tokens
+        for r_ in (worst, r):
+            placed[r_].sort(key=lambda it: -it.work)
 
 
 def _spill(item: _Item, doc_start: int, windows: Sequence[int | None], load: list[float], room: list[int],
-           held: list[list[tuple[int, int]]]) -> None:
+           placed: list[list[_Item]]) -> None:
     """Cut ``item`` into contiguous parts over the ranks with most room (no rank has room for all of it)."""
     queue = list(item.ranges)
     for rank in sorted(range(len(room)), key=lambda r: -room[r]):
-        while queue and room[rank]:
+        taken = []
+        while queue and room[rank] > sum(b - a for a, b in taken):
             a, b = queue.pop(0)
-            cut = min(b, a + room[rank])
-            held[rank].append((a, cut))
-            load[rank] += piece_work(a - doc_start, cut - doc_start, windows)
-            room[rank] -= cut - a
+            cut = min(b, a + room[rank] - sum(e - d for d, e in taken))
+            taken.append((a, cut))
             if cut < b:
                 queue.insert(0, (cut, b))
+        if taken:
+            part = _item(item.doc, doc_start, taken, windows)
+            placed[rank].append(part)
+            load[rank] += part.work
+            room[rank] -= part.tokens
         if not queue:
             return
     raise PlanError("balanced placement ran out of room (more real tokens than the row holds)")
