@@ -364,7 +364,7 @@ def _spill(item: _Item, doc_start: int, windows: Sequence[int | None], load: lis
     raise PlanError("balanced placement ran out of room (more real tokens than the row holds)")
 
 
-def make_placement(doc_ids_row: torch.Tensor, cp_size: int, kind: str, *, tolerance: float = 0.1,
+def make_placement(doc_ids_row: torch.Tensor, cp_size: int, kind: str, *, tolerance: float = 0.05,
                    windows: Sequence[int | None] = (None,)) -> Placement:
     """The placement ``kind`` (one of :data:`PLACEMENTS`) of the row ``doc_ids_row [S]`` over ``cp_size`` ranks."""
     full_len = int(doc_ids_row.numel())
