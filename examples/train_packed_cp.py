@@ -105,10 +105,15 @@ def _fully_shard(model: torch.nn.Module, device: torch.device) -> None:
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
     from accelerate import Accelerator
+    from accelerate.utils import InitProcessGroupKwargs
 
+    config = bd.BlockDiagCPConfig(backend=args.backend, kv_exchange=args.kv_exchange)
     # On CPU, accelerate spawns several processes only through its torchrun path (distributed_type
-    # MULTI_GPU in the config); cpu=True then makes it a gloo MULTI_CPU run.
-    accelerator = Accelerator(cpu=not torch.cuda.is_available())
+    # MULTI_GPU in the config); cpu=True then makes it a gloo MULTI_CPU run. The process group's
+    # timeout follows HF_BLOCKDIAG_CP_COLLECTIVE_TIMEOUT_S: DDP's collectives would otherwise wait 30
+    # minutes for a stalled peer (init_device_mesh refuses a longer one).
+    accelerator = Accelerator(cpu=not torch.cuda.is_available(),
+                              kwargs_handlers=[InitProcessGroupKwargs(timeout=config.process_group_timeout)])
     logging.basicConfig(level=logging.INFO if accelerator.is_main_process else logging.WARNING,
                         format="%(asctime)s %(name)s: %(message)s")
     torch.manual_seed(args.seed)
@@ -116,10 +121,9 @@ def main(argv: list[str] | None = None) -> dict:
     if world == 1 and args.cp_size > 1:
         raise SystemExit(f"--cp-size {args.cp_size} needs {args.cp_size} processes: launch with accelerate launch "
                          "--config_file configs/accelerate/cpu_cp2.yaml (or torchrun)")
-    mesh = bd.init_device_mesh(args.cp_size) if world > 1 else None
+    mesh = bd.init_device_mesh(args.cp_size, config=config) if world > 1 else None
     coords = bd.cp_coordinates(mesh)
     dtype = getattr(torch, args.dtype)
-    config = bd.BlockDiagCPConfig(backend=args.backend, kv_exchange=args.kv_exchange)
 
     model, tokenizer = load_model_and_tokenizer(args.model, dtype)
     model.config.use_cache = False

@@ -14,10 +14,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from .config import BlockDiagCPConfig
 from .distributed.exchange import CommStats, RankExchange
-from .distributed.groups import group_to_ref, ref_to_group
+from .distributed.groups import GroupRef, group_to_ref, ref_to_group
 from .kernels.base import KernelSpec
 from .planning import PlanError, VarlenPlan, as_doc_ids, build_varlen_plan
 from .planning.exchange import ExchangePlan, plan_exchange
@@ -62,6 +63,9 @@ class BlockDiagCPContext:
         data_fingerprint: hash of the step's rows (document ids, and token ids when the collator
             gives them); CP ranks compare it before their first exchange.
         config: the :class:`~hf_blockdiag_cp.config.BlockDiagCPConfig` of this step.
+        position_ids: ``[B, S]`` int64 CPU position ids of the full rows when known (the collators
+            give them), else ``None``; :attr:`local_position_ids` is this rank's share, which
+            :func:`~hf_blockdiag_cp.guard_model` supplies to a forward that lacks ``position_ids``.
         state: the :class:`StepState` owned by this context (shared by its device copies).
     """
 
@@ -76,11 +80,13 @@ class BlockDiagCPContext:
     exchange: ExchangePlan | None = None
     data_fingerprint: int = 0
     config: BlockDiagCPConfig = field(default_factory=BlockDiagCPConfig)
+    position_ids: torch.Tensor | None = None
     state: StepState = field(default_factory=StepState, repr=False, compare=False)
 
     @classmethod
     def build(cls, doc_ids: torch.Tensor, *, cp_rank: int = 0, cp_size: int = 1, group: Any = None,
-              config: BlockDiagCPConfig | None = None, input_ids: torch.Tensor | None = None) -> BlockDiagCPContext:
+              config: BlockDiagCPConfig | None = None, input_ids: torch.Tensor | None = None,
+              position_ids: torch.Tensor | None = None) -> BlockDiagCPContext:
         """Plan one rank's step for contiguous sharding: rank ``r`` owns rows ``[r*L, (r+1)*L)``.
 
         Args:
@@ -90,6 +96,10 @@ class BlockDiagCPContext:
             config: defaults to ``BlockDiagCPConfig()`` (environment-overridable).
             input_ids: the full rows' token ids, if known: included in ``data_fingerprint`` so
                 that CP ranks holding different tokens are caught, not only different layouts.
+            position_ids: the full rows' ``[S]`` / ``[B, S]`` position ids, if known: under CP they are
+                part of the step (a rank-local ``arange`` is wrong on every rank but the first).
+
+        Raises ``ValueError`` when ``group`` is a live process group whose size is not ``cp_size``.
         """
         config = config or BlockDiagCPConfig()
         ids = as_doc_ids(doc_ids)
@@ -100,6 +110,15 @@ class BlockDiagCPContext:
         full_len = ids.shape[1]
         if full_len % cp_size:
             raise ValueError(f"the row length S={full_len} is not divisible by cp_size={cp_size}")
+        _check_group_size(group, cp_size)
+        positions = None
+        if position_ids is not None:
+            positions = torch.as_tensor(position_ids).detach().to("cpu", torch.int64)
+            positions = positions.expand(ids.shape[0], -1) if positions.dim() == 1 else positions
+            if positions.shape != ids.shape:
+                raise ValueError(f"position_ids has shape {tuple(positions.shape)} but doc_ids has "
+                                 f"{tuple(ids.shape)}; both describe the full rows")
+            positions = positions.contiguous()
         local_len = full_len // cp_size
         row_offset = cp_rank * local_len
         exchange, kv_ranges = None, None
@@ -115,7 +134,7 @@ class BlockDiagCPContext:
         return cls(doc_ids=doc_ids32, cp_rank=cp_rank, cp_size=cp_size, group=group,
                    row_offset=row_offset, local_len=local_len,
                    local_index=torch.arange(row_offset, row_offset + local_len, dtype=torch.int64), plan=plan,
-                   exchange=exchange, data_fingerprint=fingerprint(*parts), config=config)
+                   exchange=exchange, data_fingerprint=fingerprint(*parts), config=config, position_ids=positions)
 
     def __getstate__(self) -> dict[str, Any]:
         # Batches come back from DataLoader workers pickled: send the group by name, not the
@@ -138,6 +157,13 @@ class BlockDiagCPContext:
     def full_len(self) -> int:
         return self.doc_ids.shape[1]
 
+    @property
+    def local_position_ids(self) -> torch.Tensor | None:
+        """``[B, L]`` int64 CPU position ids of this rank's rows (``None`` when the context has none)."""
+        if self.position_ids is None:
+            return None
+        return self.position_ids[:, self.row_offset:self.row_offset + self.local_len]
+
     def to(self, device: torch.device | str, non_blocking: bool = True) -> BlockDiagCPContext:
         """This context with its few small tensors on ``device``; the copy is made once and cached
         (``non_blocking`` is accepted for ``accelerate.utils.send_to_device``; copies never block)."""
@@ -156,3 +182,14 @@ class BlockDiagCPContext:
         if batch_size != self.batch_size or local_len != self.local_len:
             raise PlanError(f"cp_context plans [B={self.batch_size}, L={self.local_len}] local rows but the attention "
                             f"layer got [B={batch_size}, L={local_len}]; was the batch built by this context's collator?")
+
+
+def _check_group_size(group: Any, cp_size: int) -> None:
+    """A live process group must have ``cp_size`` ranks (a group only named, or none, is checked by the
+    step's rank agreement once it is attached)."""
+    if group is None or isinstance(group, GroupRef) or not dist.is_initialized():
+        return
+    size = dist.get_world_size(group)
+    if size != cp_size:
+        raise ValueError(f"cp_size={cp_size} but the process group given has {size} ranks; build the context "
+                         f"(collator) with the group's size, e.g. group=mesh['cp']")

@@ -6,6 +6,8 @@ import logging
 from collections.abc import Sequence
 from typing import Any
 
+import torch
+
 from ..config import BlockDiagCPConfig
 from ..distributed.groups import group_to_ref, ref_to_group
 from .examples import Document, read_example
@@ -35,6 +37,9 @@ class PackingCollator:
         overflow: documents longer than ``seq_len``: ``"split"`` into ``seq_len`` pieces (each its own
             document, positions continuing), ``"truncate"``, or ``"error"``.
         config: the :class:`BlockDiagCPConfig` of every context built.
+        vocab_size: the model's vocabulary size, if known: a token or label id ``>= vocab_size`` then
+            raises ``ValueError`` naming the example and field (instead of an ``IndexError`` deep in the
+            embedding or the loss). :class:`~hf_blockdiag_cp.CPTrainer` fills it from the model.
 
     Calling it on a list of examples (mappings with ``input_ids`` and optional ``labels``) packs them
     best-fit-decreasing and returns one batch dict: ``[B, S]`` at ``cp_size == 1`` (``B`` rows),
@@ -45,7 +50,8 @@ class PackingCollator:
 
     def __init__(self, seq_len: int, *, cp_size: int | None = None, cp_rank: int | None = None, group: Any = None,
                  pad_token_id: int, label_pad_id: int = -100, pad_to_multiple_of: int | None = None,
-                 overflow: str = "split", config: BlockDiagCPConfig | None = None) -> None:
+                 overflow: str = "split", config: BlockDiagCPConfig | None = None,
+                 vocab_size: int | None = None) -> None:
         self.cp_rank, self.cp_size, self.group = resolve_cp(group, cp_rank, cp_size)
         if isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len < 1:
             raise ValueError(f"seq_len={seq_len!r} must be an int >= 1")
@@ -66,6 +72,10 @@ class PackingCollator:
         self.pad_to_multiple_of = pad_to_multiple_of
         self.overflow = overflow
         self.config = config or BlockDiagCPConfig()
+        if vocab_size is not None and (isinstance(vocab_size, bool) or not isinstance(vocab_size, int)
+                                       or not pad_token_id < vocab_size):
+            raise ValueError(f"vocab_size={vocab_size!r} must be None or an int above pad_token_id={pad_token_id}")
+        self.vocab_size = vocab_size
 
     def __getstate__(self) -> dict[str, Any]:
         # DataLoader workers started with "spawn" receive the collator pickled: send the CP group
@@ -97,10 +107,14 @@ class PackingCollator:
             raise ValueError("examples is empty: nothing to pack")
         kinds = {isinstance(e, PackedRow) for e in examples}
         if kinds == {True}:
-            return self._check_rows(examples)
+            rows = self._check_rows(examples)
+            for i, row in enumerate(rows):
+                self._check_vocabulary(row.documents, f"example {i} (a PackedRow), document of dataset example ")
+            return rows
         if len(kinds) > 1:
             raise ValueError("examples mixes PackedRow items (from PackedDataset) and plain examples")
         docs = [read_example(e, index=i, label_pad_id=self.label_pad_id) for i, e in enumerate(examples)]
+        self._check_vocabulary(docs, "example ")
         empty = [d.index for d in docs if len(d) == 0]
         if empty:
             logger.info("PackingCollator dropped %d empty document(s) (examples %s)", len(empty), empty[:16])
@@ -133,6 +147,19 @@ class PackingCollator:
         full = assemble_rows([r.documents for r in rows], self.seq_len, pad_token_id=self.pad_token_id,
                              label_pad_id=self.label_pad_id)
         return rank_batch(full, cp_rank=self.cp_rank, cp_size=self.cp_size, group=self.group, config=self.config)
+
+    def _check_vocabulary(self, docs: Sequence[Document], where: str) -> None:
+        """Raise if a token or label id of ``docs`` is not below ``vocab_size`` (``where`` + ``doc.index``
+        names the example)."""
+        if self.vocab_size is None:
+            return
+        for doc in docs:
+            for name, ids in (("input_ids", doc.input_ids), ("labels", doc.labels)):
+                bad = torch.nonzero(ids >= self.vocab_size)
+                if bad.numel():
+                    pos = int(bad[0])
+                    raise ValueError(f"{where}{doc.index}: {name}[{doc.position_start + pos}]={int(ids[pos])} is not "
+                                     f"below the model's vocab_size={self.vocab_size}")
 
     def _check_rows(self, rows: Sequence[PackedRow]) -> list[PackedRow]:
         for i, row in enumerate(rows):

@@ -6,6 +6,7 @@ rank ``r`` owns global positions ``[r*L, (r+1)*L)`` (``BlockDiagCPContext.local_
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 from ..config import BlockDiagCPConfig
@@ -79,7 +80,13 @@ def rank_batch(full: FullRows, *, cp_rank: int, cp_size: int, group: Any = None,
     batch, full_len = full.input_ids.shape
     if cp_size > 1 and batch != 1:
         raise ValueError(f"under context parallelism a micro-batch is one packed row, got {batch} rows")
-    context = BlockDiagCPContext.build(full.doc_ids, cp_rank=cp_rank, cp_size=cp_size, group=group, config=config)
+    context = BlockDiagCPContext.build(full.doc_ids, cp_rank=cp_rank, cp_size=cp_size, group=group, config=config,
+                                       position_ids=full.position_ids)
+    num_items = full.num_items if num_items is None else int(num_items)
+    if num_items == 0:
+        warnings.warn("this batch has no targets (every label is ignored): num_items_in_batch=0. If the whole step "
+                      "has none, normalize_num_items and CPTrainer make its loss 0 with zero gradients; model(**batch) "
+                      "on its own returns 0/0 = NaN", RuntimeWarning, stacklevel=3)
     local = slice(context.row_offset, context.row_offset + context.local_len)
     return {
         "input_ids": full.input_ids[:, local].contiguous(),
@@ -88,7 +95,7 @@ def rank_batch(full: FullRows, *, cp_rank: int, cp_size: int, group: Any = None,
         "shift_labels": full.shift_labels[:, local].contiguous(),
         # A Python int, not a 0-dim tensor: accelerate's batch dispatcher (used by the Trainer for
         # iterable datasets) concatenates and slices every tensor along dim 0, which 0-dim tensors fail.
-        "num_items_in_batch": full.num_items if num_items is None else int(num_items),
+        "num_items_in_batch": num_items,
         "cp_context": context,
         # A packed training forward must not build a KV cache (config.use_cache defaults to True
         # outside the Trainer); the cp_context path refuses a cache that holds earlier keys.
