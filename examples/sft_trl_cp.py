@@ -169,19 +169,22 @@ def main(argv: list[str] | None = None) -> dict:
     from trl import SFTConfig
 
     output_dir = args.output_dir or tempfile.mkdtemp(prefix="sft_trl_cp_")
+    config = bd.BlockDiagCPConfig(backend=args.backend, kv_exchange=args.kv_exchange)
+    # ddp_timeout follows HF_BLOCKDIAG_CP_COLLECTIVE_TIMEOUT_S (CPTrainer refuses a longer one).
     sft_args = SFTConfig(
         output_dir=output_dir, use_cpu=not torch.cuda.is_available(), max_steps=args.steps, bf16=False,
         max_length=args.seq_len, packing=not args.no_packing, per_device_train_batch_size=1,
         per_device_eval_batch_size=1, gradient_accumulation_steps=args.grad_accum, learning_rate=args.lr,
         lr_scheduler_type="constant", warmup_steps=0, max_grad_norm=args.max_grad_norm, logging_steps=1,
         save_strategy="no", report_to=[], seed=args.seed, disable_tqdm=args.no_progress,
-        gradient_checkpointing=args.grad_checkpointing, ddp_find_unused_parameters=False, dataset_num_proc=None)
+        gradient_checkpointing=args.grad_checkpointing, ddp_find_unused_parameters=False, dataset_num_proc=None,
+        ddp_timeout=int(config.process_group_timeout.total_seconds()))
     device, world = sft_args.device, sft_args.world_size  # .device started accelerate (the process group)
     main_process = sft_args.process_index == 0
     logging.basicConfig(level=logging.INFO if main_process else logging.WARNING,
                         format="%(asctime)s %(name)s: %(message)s")
     cp_size = resolve_cp_size(args.cp_size, world)
-    mesh = bd.init_device_mesh(cp_size) if world > 1 else None
+    mesh = bd.init_device_mesh(cp_size, config=config) if world > 1 else None
     coords = bd.cp_coordinates(mesh)
 
     model, tokenizer = load_model(args.model, getattr(torch, args.dtype))
@@ -197,7 +200,6 @@ def main(argv: list[str] | None = None) -> dict:
     # the trainer exists: TRL patches the forward of the model it is given.
     reference = copy.deepcopy(model) if args.check_parity and main_process else None
     probe = StepProbe(keep_grads=args.check_parity)
-    config = bd.BlockDiagCPConfig(backend=args.backend, kv_exchange=args.kv_exchange)
     trainer = make_trainer_class()(model=model, args=sft_args, train_dataset=train, eval_dataset=evaluation,
                                    processing_class=tokenizer, callbacks=[probe], mesh=mesh, cp_config=config)
     eval_loss = trainer.evaluate()["eval_loss"] if evaluation is not None else None  # before any update

@@ -112,19 +112,23 @@ def main(argv: list[str] | None = None) -> dict:
         raise SystemExit("--fsdp2 with --lora is not covered by tests: use one of them")
     refuse_accelerate_cp()
     from accelerate import Accelerator
+    from accelerate.utils import InitProcessGroupKwargs
 
+    config = bd.BlockDiagCPConfig(backend=args.backend, kv_exchange=args.kv_exchange)
     # On CPU, accelerate spawns several processes only through its torchrun path (distributed_type
-    # MULTI_GPU in the config); cpu=True then makes it a gloo MULTI_CPU run.
-    accelerator = Accelerator(cpu=not torch.cuda.is_available())
+    # MULTI_GPU in the config); cpu=True then makes it a gloo MULTI_CPU run. The process group's
+    # timeout follows HF_BLOCKDIAG_CP_COLLECTIVE_TIMEOUT_S: DDP's collectives would otherwise wait 30
+    # minutes for a stalled peer (init_device_mesh refuses a longer one).
+    accelerator = Accelerator(cpu=not torch.cuda.is_available(),
+                              kwargs_handlers=[InitProcessGroupKwargs(timeout=config.process_group_timeout)])
     logging.basicConfig(level=logging.INFO if accelerator.is_main_process else logging.WARNING,
                         format="%(asctime)s %(name)s: %(message)s")
     torch.manual_seed(args.seed)
     world = accelerator.num_processes
     cp_size = resolve_cp_size(args.cp_size, world)
-    mesh = bd.init_device_mesh(cp_size) if world > 1 else None
+    mesh = bd.init_device_mesh(cp_size, config=config) if world > 1 else None
     coords = bd.cp_coordinates(mesh)
     dtype = getattr(torch, args.dtype)
-    config = bd.BlockDiagCPConfig(backend=args.backend, kv_exchange=args.kv_exchange)
 
     model, tokenizer = load_model_and_tokenizer(args.model, dtype)
     model.config.use_cache = False

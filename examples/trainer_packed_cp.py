@@ -125,15 +125,17 @@ def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
     refuse_accelerate_cp()  # before TrainingArguments starts accelerate
     output_dir = args.output_dir or tempfile.mkdtemp(prefix="trainer_packed_cp_")
+    config = bd.BlockDiagCPConfig(backend=args.backend, kv_exchange=args.kv_exchange)
     # use_cpu: on a machine without GPU, `accelerate launch` (torchrun path) + use_cpu=True gives a
     # MULTI_CPU gloo run; `.device` sets up accelerate's state, which initialises the process group.
+    # ddp_timeout follows HF_BLOCKDIAG_CP_COLLECTIVE_TIMEOUT_S (CPTrainer refuses a longer one).
     targs = TrainingArguments(
         output_dir=output_dir, use_cpu=not torch.cuda.is_available(), max_steps=args.steps,
         per_device_train_batch_size=1, gradient_accumulation_steps=args.grad_accum, learning_rate=args.lr,
         lr_scheduler_type="constant", warmup_steps=0, max_grad_norm=args.max_grad_norm, logging_steps=1,
         save_strategy="no", report_to=[], seed=args.seed, disable_tqdm=args.no_progress,
         dataloader_num_workers=args.num_workers, activation_checkpointing=args.grad_checkpointing,
-        ddp_find_unused_parameters=False)
+        ddp_find_unused_parameters=False, ddp_timeout=int(config.process_group_timeout.total_seconds()))
     device, world = targs.device, targs.world_size
     main_process = targs.process_index == 0
     logging.basicConfig(level=logging.INFO if main_process else logging.WARNING,
@@ -141,9 +143,8 @@ def main(argv: list[str] | None = None) -> dict:
     cp_size = resolve_cp_size(args.cp_size, world)
     if world > 1 and not dist.is_initialized():
         raise SystemExit("accelerate did not initialise torch.distributed: launch with accelerate launch or torchrun")
-    mesh = bd.init_device_mesh(cp_size) if world > 1 else None
+    mesh = bd.init_device_mesh(cp_size, config=config) if world > 1 else None
     coords = bd.cp_coordinates(mesh)
-    config = bd.BlockDiagCPConfig(backend=args.backend, kv_exchange=args.kv_exchange)
 
     model, tokenizer = load_model_and_tokenizer(args.model, getattr(torch, args.dtype))
     model = apply_lora(model, args)

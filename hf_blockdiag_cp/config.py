@@ -7,6 +7,7 @@ immutable value built once and carried by :class:`~hf_blockdiag_cp.context.Block
 
 from __future__ import annotations
 
+import datetime
 import os
 from dataclasses import dataclass, field
 
@@ -35,6 +36,13 @@ ENV_VARS: dict[str, str] = {
 #: Longest collective timeout accepted (a year): ``datetime.timedelta`` and the process-group
 #: timeouts overflow on larger values such as ``inf``.
 _MAX_TIMEOUT_S = 365 * 24 * 3600.0
+
+#: Process groups wait this much longer than the package's own collectives (at least
+#: ``_PG_MARGIN_MIN_S`` seconds, else this fraction of ``collective_timeout_s``): a stall inside a CP
+#: collective then ends with the package's own ``CollectiveError`` first, and NCCL's watchdog (which
+#: aborts the process at the group's timeout) fires only after that error was raised.
+_PG_MARGIN_FRACTION = 0.1
+_PG_MARGIN_MIN_S = 10.0
 
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off", ""}
@@ -90,7 +98,9 @@ class BlockDiagCPConfig:
             straddling a shard boundary) through fixed-length flash, the rest in one varlen call.
             Env: ``HF_BLOCKDIAG_CP_FLASH_PREFIX_GUARD``.
         collective_timeout_s: bound on every collective this package issues (rank agreement, K/V
-            exchange), so that a rank whose peer failed raises a clear error instead of hanging.
+            exchange), so that a rank whose peer failed raises a clear error instead of hanging. The
+            process groups of training (DDP/FSDP collectives, the mesh) are bounded by
+            :attr:`process_group_timeout` (this plus a margin): see ``init_device_mesh``.
             Env: ``HF_BLOCKDIAG_CP_COLLECTIVE_TIMEOUT_S``.
         disabled_backends: backends this process must not use (e.g. a kernel known to be broken on
             one machine); the rank agreement makes every rank avoid them together.
@@ -138,3 +148,15 @@ class BlockDiagCPConfig:
         if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout <= _MAX_TIMEOUT_S:
             raise ValueError(f"collective_timeout_s={timeout!r} (env {ENV_VARS['collective_timeout_s']}) must be a "
                              f"number of seconds in (0, {_MAX_TIMEOUT_S:.0f}]")
+
+    @property
+    def process_group_timeout(self) -> datetime.timedelta:
+        """Timeout the training's process groups should have: ``collective_timeout_s`` plus a margin of
+        ``max(10 s, 10 %)`` (600 + 60 = 660 s by default).
+
+        DDP's buffer broadcast and gradient all-reduce, FSDP's collectives and the mesh's ``dp`` reduction
+        wait this long for a stalled peer; :func:`~hf_blockdiag_cp.init_device_mesh` creates groups with it
+        and refuses an existing default group whose timeout is longer.
+        """
+        timeout = self.collective_timeout_s
+        return datetime.timedelta(seconds=timeout + max(_PG_MARGIN_MIN_S, _PG_MARGIN_FRACTION * timeout))

@@ -15,11 +15,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from ._validate import check_int
 from .config import BlockDiagCPConfig
 from .distributed.exchange import CommStats, RankExchange
-from .distributed.groups import group_to_ref, ref_to_group
+from .distributed.groups import GroupRef, group_to_ref, ref_to_group
 from .kernels.base import KernelSpec
 from .planning import PlanError, VarlenPlan, as_doc_ids, build_varlen_plan
 from .planning.exchange import ExchangePlan, plan_exchange
@@ -67,6 +68,9 @@ class BlockDiagCPContext:
         config: the :class:`~hf_blockdiag_cp.config.BlockDiagCPConfig` of this step.
         placement: which positions every CP rank holds (``None`` on one rank).
         window_plans: per planned sliding window, the varlen and exchange plans of windowed layers.
+        position_ids: ``[B, S]`` int64 CPU position ids of the full rows when known (the collators
+            give them), else ``None``; :attr:`local_position_ids` is this rank's share, which
+            :func:`~hf_blockdiag_cp.guard_model` supplies to a forward that lacks ``position_ids``.
         state: the :class:`StepState` owned by this context (shared by its device copies).
     """
 
@@ -83,13 +87,15 @@ class BlockDiagCPContext:
     config: BlockDiagCPConfig = field(default_factory=BlockDiagCPConfig)
     placement: Placement | None = None
     window_plans: dict[int, tuple[VarlenPlan, ExchangePlan]] = field(default_factory=dict)
+    position_ids: torch.Tensor | None = None
     state: StepState = field(default_factory=StepState, repr=False, compare=False)
 
     @classmethod
     def build(cls, doc_ids: torch.Tensor, *, cp_rank: int = 0, cp_size: int = 1, group: Any = None,
               config: BlockDiagCPConfig | None = None, input_ids: torch.Tensor | None = None,
               placement: str | Placement | None = None,
-              sliding_windows: Sequence[int | None] = ()) -> BlockDiagCPContext:
+              sliding_windows: Sequence[int | None] = (),
+              position_ids: torch.Tensor | None = None) -> BlockDiagCPContext:
         """Plan one rank's step: which positions it holds, its kernel segments and its K/V exchange.
 
         Args:
@@ -105,6 +111,10 @@ class BlockDiagCPContext:
                 window gets its own plans, so a windowed layer receives only the keys inside its
                 window; a layer whose window was not planned uses the full plans (exact, more bytes).
                 The balanced placement's work model averages over them.
+            position_ids: the full rows' ``[S]`` / ``[B, S]`` position ids, if known: under CP they are
+                part of the step (a rank-local ``arange`` is wrong on every rank but the first).
+
+        Raises ``ValueError`` when ``group`` is a live process group whose size is not ``cp_size``.
         """
         config = config or BlockDiagCPConfig()
         ids = as_doc_ids(doc_ids)
@@ -113,6 +123,15 @@ class BlockDiagCPContext:
         full_len = ids.shape[1]
         if full_len % cp_size:
             raise ValueError(f"the row length S={full_len} is not divisible by cp_size={cp_size}")
+        _check_group_size(group, cp_size)
+        positions = None
+        if position_ids is not None:
+            positions = torch.as_tensor(position_ids).detach().to("cpu", torch.int64)
+            positions = positions.expand(ids.shape[0], -1) if positions.dim() == 1 else positions
+            if positions.shape != ids.shape:
+                raise ValueError(f"position_ids has shape {tuple(positions.shape)} but doc_ids has "
+                                 f"{tuple(ids.shape)}; both describe the full rows")
+            positions = positions.contiguous()
         local_len = full_len // cp_size
         windows = sorted({w for w in sliding_windows if w is not None})
         for w in windows:
@@ -121,7 +140,8 @@ class BlockDiagCPContext:
         if input_ids is not None:
             parts.append(torch.as_tensor(input_ids).detach().to("cpu", torch.int64).contiguous().numpy().tobytes())
         common = dict(doc_ids=ids.to(torch.int32).contiguous(), cp_rank=cp_rank, cp_size=cp_size, group=group,
-                      local_len=local_len, data_fingerprint=fingerprint(*parts), config=config)
+                      local_len=local_len, data_fingerprint=fingerprint(*parts), config=config,
+                      position_ids=positions)
         if cp_size == 1:
             plan = build_varlen_plan(ids, local_len=local_len, validate=config.validate)
             return cls(row_offset=0, local_index=torch.arange(local_len), plan=plan, **common)
@@ -169,6 +189,13 @@ class BlockDiagCPContext:
     def full_len(self) -> int:
         return self.doc_ids.shape[1]
 
+    @property
+    def local_position_ids(self) -> torch.Tensor | None:
+        """``[B, L]`` int64 CPU position ids of this rank's rows (``None`` when the context has none)."""
+        if self.position_ids is None:
+            return None
+        return self.position_ids[:, self.local_index]
+
     def to(self, device: torch.device | str, non_blocking: bool = True) -> BlockDiagCPContext:
         """This context with its few small tensors on ``device``; the copy is made once and cached
         (``non_blocking`` is accepted for ``accelerate.utils.send_to_device``; copies never block)."""
@@ -189,3 +216,14 @@ class BlockDiagCPContext:
         if batch_size != self.batch_size or local_len != self.local_len:
             raise PlanError(f"cp_context plans [B={self.batch_size}, L={self.local_len}] local rows but the attention "
                             f"layer got [B={batch_size}, L={local_len}]; was the batch built by this context's collator?")
+
+
+def _check_group_size(group: Any, cp_size: int) -> None:
+    """A live process group must have ``cp_size`` ranks (a group only named, or none, is checked by the
+    step's rank agreement once it is attached)."""
+    if group is None or isinstance(group, GroupRef) or not dist.is_initialized():
+        return
+    size = dist.get_world_size(group)
+    if size != cp_size:
+        raise ValueError(f"cp_size={cp_size} but the process group given has {size} ranks; build the context "
+                         f"(collator) with the group's size, e.g. group=mesh['cp']")

@@ -6,6 +6,8 @@ import logging
 from collections.abc import Sequence
 from typing import Any
 
+import torch
+
 from .._validate import check_int
 from ..config import PLACEMENTS, BlockDiagCPConfig
 from ..distributed.groups import group_to_ref, ref_to_group
@@ -42,6 +44,9 @@ class PackingCollator:
         sliding_windows: the model's attention windows, ``None`` for full-attention layers (see
             :func:`hf_blockdiag_cp.sliding_windows`): windowed layers then receive only the K/V
             inside their window, and the balanced placement weighs work by them.
+        vocab_size: the model's vocabulary size, if known: a token or label id ``>= vocab_size`` then
+            raises ``ValueError`` naming the example and field (instead of an ``IndexError`` deep in the
+            embedding or the loss). :class:`~hf_blockdiag_cp.CPTrainer` fills it from the model.
 
     Calling it on a list of examples (mappings with ``input_ids`` and optional ``labels``) packs them
     best-fit-decreasing and returns one batch dict: ``[B, S]`` at ``cp_size == 1`` (``B`` rows),
@@ -53,7 +58,7 @@ class PackingCollator:
     def __init__(self, seq_len: int, *, cp_size: int | None = None, cp_rank: int | None = None, group: Any = None,
                  pad_token_id: int, label_pad_id: int = -100, pad_to_multiple_of: int | None = None,
                  overflow: str = "split", config: BlockDiagCPConfig | None = None, placement: str | None = None,
-                 sliding_windows: Sequence[int | None] | None = None) -> None:
+                 sliding_windows: Sequence[int | None] | None = None, vocab_size: int | None = None) -> None:
         self.cp_rank, self.cp_size, self.group = resolve_cp(group, cp_rank, cp_size)
         self.seq_len = check_int("seq_len", seq_len, minimum=1)
         multiple = row_multiple(self.cp_size, pad_to_multiple_of)
@@ -71,6 +76,9 @@ class PackingCollator:
             raise ValueError(f"placement={self.placement!r} is not one of {', '.join(PLACEMENTS)}")
         if self.placement == "zigzag" and seq_len % (2 * self.cp_size):
             raise ValueError(f"placement='zigzag' needs seq_len={seq_len} divisible by 2 * cp_size = {2 * self.cp_size}")
+        if vocab_size is not None:
+            check_int("vocab_size", vocab_size, minimum=self.pad_token_id + 1, hint="None, or above pad_token_id")
+        self.vocab_size = vocab_size
         self.sliding_windows = tuple(sliding_windows or ())
         for window in self.sliding_windows:
             if window is not None:
@@ -107,10 +115,14 @@ class PackingCollator:
             raise ValueError("examples is empty: nothing to pack")
         kinds = {isinstance(e, PackedRow) for e in examples}
         if kinds == {True}:
-            return self._check_rows(examples)
+            rows = self._check_rows(examples)
+            for i, row in enumerate(rows):
+                self._check_vocabulary(row.documents, f"example {i} (a PackedRow), document of dataset example ")
+            return rows
         if len(kinds) > 1:
             raise ValueError("examples mixes PackedRow items (from PackedDataset) and plain examples")
         docs = [read_example(e, index=i, label_pad_id=self.label_pad_id) for i, e in enumerate(examples)]
+        self._check_vocabulary(docs, "example ")
         empty = [d.index for d in docs if len(d) == 0]
         if empty:
             logger.info("PackingCollator dropped %d empty document(s) (examples %s)", len(empty), empty[:16])
@@ -145,6 +157,19 @@ class PackingCollator:
                              label_pad_id=self.label_pad_id)
         return rank_batch(full, cp_rank=self.cp_rank, cp_size=self.cp_size, group=self.group, config=self.config,
                           placement=self.placement, sliding_windows=self.sliding_windows)
+
+    def _check_vocabulary(self, docs: Sequence[Document], where: str) -> None:
+        """Raise if a token or label id of ``docs`` is not below ``vocab_size`` (``where`` + ``doc.index``
+        names the example)."""
+        if self.vocab_size is None:
+            return
+        for doc in docs:
+            for name, ids in (("input_ids", doc.input_ids), ("labels", doc.labels)):
+                bad = torch.nonzero(ids >= self.vocab_size)
+                if bad.numel():
+                    pos = int(bad[0])
+                    raise ValueError(f"{where}{doc.index}: {name}[{doc.position_start + pos}]={int(ids[pos])} is not "
+                                     f"below the model's vocab_size={self.vocab_size}")
 
     def _check_rows(self, rows: Sequence[PackedRow]) -> list[PackedRow]:
         for i, row in enumerate(rows):

@@ -8,6 +8,7 @@ permuting tokens never changes what a token predicts.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Sequence
 from typing import Any
 
@@ -77,7 +78,13 @@ def rank_batch(full: FullRows, *, cp_rank: int, cp_size: int, group: Any = None,
     # The tokens join the data fingerprint: CP ranks given different rows with the same layout fail
     # the step's agreement instead of training on different data.
     context = BlockDiagCPContext.build(full.doc_ids, cp_rank=cp_rank, cp_size=cp_size, group=group, config=config,
-                                       input_ids=full.input_ids, placement=placement, sliding_windows=sliding_windows)
+                                       input_ids=full.input_ids, placement=placement, sliding_windows=sliding_windows,
+                                       position_ids=full.position_ids)
+    num_items = full.num_items if num_items is None else int(num_items)
+    if num_items == 0:
+        warnings.warn("this batch has no targets (every label is ignored): num_items_in_batch=0. If the whole step "
+                      "has none, normalize_num_items and CPTrainer make its loss 0 with zero gradients; model(**batch) "
+                      "on its own returns 0/0 = NaN", RuntimeWarning, stacklevel=3)
     local = context.local_index
     return {
         "input_ids": full.input_ids[:, local],
@@ -86,7 +93,7 @@ def rank_batch(full: FullRows, *, cp_rank: int, cp_size: int, group: Any = None,
         "shift_labels": full.shift_labels[:, local],
         # A Python int, not a 0-dim tensor: accelerate's batch dispatcher (used by the Trainer for
         # iterable datasets) concatenates and slices every tensor along dim 0, which 0-dim tensors fail.
-        "num_items_in_batch": full.num_items if num_items is None else int(num_items),
+        "num_items_in_batch": num_items,
         "cp_context": context,
         # A packed training forward must not build a KV cache (config.use_cache defaults to True
         # outside the Trainer); the cp_context path refuses a cache that holds earlier keys.

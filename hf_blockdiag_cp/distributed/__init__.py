@@ -4,7 +4,7 @@ per-layer CP path in :mod:`hf_blockdiag_cp.attention.cp`."""
 
 from .agreement import AgreementError, agree_on_backends
 from .exchange import CollectiveError, CommStats, RankExchange, exchange_kv
-from .groups import GroupRef, group_to_ref, ref_to_group
+from .groups import GroupRef, group_options, group_timeout, group_to_ref, ref_to_group
 
 __all__ = [
     "AgreementError",
@@ -14,6 +14,8 @@ __all__ = [
     "RankExchange",
     "agree_on_backends",
     "exchange_kv",
+    "group_options",
+    "group_timeout",
     "group_to_ref",
     "ref_to_group",
 ]

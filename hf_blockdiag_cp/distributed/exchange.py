@@ -18,6 +18,7 @@ whose peer died raises a clear error instead of hanging.
 from __future__ import annotations
 
 import datetime
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -96,13 +97,20 @@ def _nbytes(t: torch.Tensor | None, copies: int = 1) -> int:
 
 def wait(work, what: str, rank: int, timeout: datetime.timedelta) -> None:
     """Wait for an async collective, turning failures and timeouts into :class:`CollectiveError`."""
+    limit = timeout.total_seconds()
+    start = time.monotonic()
     try:
         ok = work.wait(timeout)
     except Exception as err:  # gloo/NCCL raise RuntimeError subclasses with transport details
+        # gloo reports its own timeout as an exception ("Operation timed out!"), not as False.
+        if time.monotonic() - start >= limit:
+            raise CollectiveError(f"CP rank {rank}: {what} did not finish within {limit:g} s "
+                                  f"({type(err).__name__}: {err}); a peer rank stalled or failed — see its log") from err
         raise CollectiveError(f"CP rank {rank}: {what} failed ({type(err).__name__}: {err}); "
                               "a peer rank most likely failed first — see its log") from err
     if ok is False:
-        raise CollectiveError(f"CP rank {rank}: {what} did not finish within {timeout.total_seconds():.0f} s")
+        raise CollectiveError(f"CP rank {rank}: {what} did not finish within {limit:g} s; a peer rank stalled or "
+                              "failed — see its log")
 
 
 def _p2p(ops: list[tuple[str, torch.Tensor, int]], ex: RankExchange, what: str) -> None:

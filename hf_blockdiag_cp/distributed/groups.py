@@ -1,18 +1,24 @@
-"""Process groups that survive pickling (DataLoader workers return batches holding a context).
+"""Process groups: references that survive pickling, and their timeouts.
 
 A ``ProcessGroup`` cannot be pickled; its name can, and the receiving process (the main training
-process, which created the group) resolves the name back to the same group.
+process, which created the group) resolves the name back to the same group (DataLoader workers
+return batches holding a context).
+
+A group's timeout bounds how long its collectives wait for a stalled peer (DDP's gradient all-reduce
+included); torch 2.13 exposes it only through the group's per-device backend ``options._timeout``.
 """
 
 from __future__ import annotations
 
+import datetime
 from dataclasses import dataclass
 from typing import Any
 
+import torch
 import torch.distributed as dist
 from torch.distributed.distributed_c10d import _resolve_process_group
 
-__all__ = ["GroupRef", "group_to_ref", "ref_to_group"]
+__all__ = ["GroupRef", "group_options", "group_timeout", "group_to_ref", "ref_to_group"]
 
 
 @dataclass(frozen=True)
@@ -41,3 +47,29 @@ def ref_to_group(ref: Any) -> Any:
         return _resolve_process_group(ref.name)
     except (KeyError, RuntimeError, ValueError):
         return ref
+
+
+def group_timeout(group: Any = None) -> datetime.timedelta | None:
+    """The longest timeout of ``group``'s backends (default group when ``None``), or ``None`` when
+    torch does not expose it for this backend."""
+    pg = dist.group.WORLD if group is None else group
+    found = []
+    try:
+        for device in pg._device_types:
+            found.append(pg._get_backend(torch.device(device)).options._timeout)
+    except (AttributeError, RuntimeError, ValueError):
+        return None
+    return max(found) if found else None
+
+
+def group_options(backend: str, timeout: datetime.timedelta) -> Any:
+    """Options for a new ``backend`` group (``"gloo"``/``"nccl"``) whose collectives time out after
+    ``timeout``; ``None`` for other backends (their groups get torch's default timeout)."""
+    if backend == "gloo" and dist.is_gloo_available():
+        options = dist.ProcessGroupGloo._Options()
+    elif backend == "nccl" and dist.is_nccl_available():
+        options = dist.ProcessGroupNCCL.Options()
+    else:
+        return None
+    options._timeout = timeout
+    return options

@@ -40,10 +40,13 @@ def normalize_num_items(batch: dict[str, Any], mesh: DeviceMesh | None, *, world
         mesh: the (dp, cp) mesh (``None`` on one process).
         world_size: ``W``, the ranks the gradient is averaged over (default: the mesh's size).
         device: where to put the count (the model's device).
+
+    A step without any target (``N = 0``; the collator warns) gets ``N = 1``: its loss is then 0 with
+    zero gradients instead of ``0 / 0 = NaN`` (a device-side clamp, no host read).
     """
     if "num_items_in_batch" not in batch:
         raise ValueError("batch has no num_items_in_batch: build it with hf_blockdiag_cp.PackingCollator")
-    total = global_num_items(batch["num_items_in_batch"], mesh, device)
+    total = global_num_items(batch["num_items_in_batch"], mesh, device).clamp_min(1)
     world = world_size if world_size is not None else (mesh.size() if mesh is not None else 1)
     return {**batch, "num_items_in_batch": total / world}
 

@@ -27,11 +27,12 @@ from transformers import Trainer
 from transformers.utils import is_datasets_available
 
 from ..attention.hf import ATTN_IMPLEMENTATION
+from ..config import BlockDiagCPConfig
 from ..context import BlockDiagCPContext, StepState
-from ..data import PackedDataset
+from ..data import PackedDataset, PackingCollator
 from .checks import check_collator, check_no_accelerate_cp, guard_model
 from .data import dp_dataloader
-from .mesh import cp_coordinates
+from .mesh import check_group_timeouts, cp_coordinates
 
 __all__ = ["CPTrainer"]
 
@@ -94,7 +95,11 @@ class CPTrainer(Trainer):
     ``per_device_train_batch_size=1``. Launch one process per device (``accelerate launch``/``torchrun``).
 
     Raises ``ValueError`` at construction for set-ups whose loss or attention would be silently wrong
-    under CP (each message names the argument to change); see docs/trainer.md.
+    under CP (each message names the argument to change), and on a mesh whose process groups wait longer
+    than the package's ``collective_timeout_s`` (plus margin) for a stalled peer (set
+    ``TrainingArguments(ddp_timeout=...)``); see docs/trainer.md and docs/errors.md. A
+    :class:`~hf_blockdiag_cp.PackingCollator` without ``vocab_size`` gets the model's, so out-of-vocabulary
+    ids raise in the collator, naming the example.
     """
 
     def __init__(self, *args: Any, mesh: DeviceMesh | None = None, **kwargs: Any) -> None:
@@ -114,6 +119,10 @@ class CPTrainer(Trainer):
             raise ValueError(f"mesh has {mesh.size()} ranks but the Trainer runs {self.args.world_size} processes; "
                              "build the mesh with hf_blockdiag_cp.init_device_mesh after creating TrainingArguments")
         check_collator(self.data_collator, mesh)
+        if mesh is not None:
+            config = getattr(self.data_collator, "config", None)
+            check_group_timeouts(mesh, config if isinstance(config, BlockDiagCPConfig) else None)
+        self._fill_vocab_size()
         if getattr(self.data_collator, "label_pad_id", -100) != -100:
             raise ValueError(f"the collator's label_pad_id={self.data_collator.label_pad_id} but the Trainer counts "
                              "targets as shift_labels != -100 (and the HF loss ignores -100): use label_pad_id=-100")
@@ -153,6 +162,23 @@ class CPTrainer(Trainer):
                              "hf_blockdiag_cp's mesh: leave it None")
 
     # ---- overrides ------------------------------------------------------------------------------------
+
+    def _fill_vocab_size(self) -> None:
+        """Give a :class:`PackingCollator` without ``vocab_size`` the model's (and refuse a larger one)."""
+        collator = self.data_collator
+        embeddings = self.model.get_input_embeddings() if hasattr(self.model, "get_input_embeddings") else None
+        vocab = getattr(embeddings, "num_embeddings", None) or getattr(getattr(self.model, "config", None),
+                                                                      "vocab_size", None)
+        if not isinstance(collator, PackingCollator) or not isinstance(vocab, int):
+            return
+        if collator.vocab_size is None:
+            if collator.pad_token_id >= vocab:
+                raise ValueError(f"the collator's pad_token_id={collator.pad_token_id} is not below the model's "
+                                 f"vocabulary size {vocab}")
+            collator.vocab_size = vocab
+        elif collator.vocab_size > vocab:
+            raise ValueError(f"the collator's vocab_size={collator.vocab_size} is larger than the model's input "
+                             f"embedding ({vocab} rows)")
 
     def _get_dataloader(self, dataset: Dataset, description: str, batch_size: int,
                         sampler_fn: Callable | None = None, is_training: bool = False,
@@ -214,6 +240,14 @@ class CPTrainer(Trainer):
                 inputs = {**inputs, "cp_context": dataclasses.replace(ctx, group=self.mesh["cp"].get_group(),
                                                                       state=StepState())}
         return super()._prepare_inputs(inputs)
+
+    def _get_num_items_in_batch(self, batch_samples: list, device: torch.device) -> torch.Tensor | int | None:
+        """The stock global target count, at least 1: a step whose labels are all ignored gets loss 0 and zero
+        gradients instead of ``0 / 0 = NaN`` (the collator warns; a device-side clamp, no host read)."""
+        count = super()._get_num_items_in_batch(batch_samples, device)
+        if isinstance(count, torch.Tensor):
+            return count.clamp_min(1)
+        return count if count is None else max(count, 1)
 
     def train(self, *args: Any, **kwargs: Any) -> Any:
         """Undo what an ``evaluate()`` before ``train()`` leaves behind (a bug of the stock Trainer too).
