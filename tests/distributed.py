@@ -1,19 +1,29 @@
-"""Run a function on several real gloo processes with a hard timeout (a hang must fail the test)."""
+"""Run a function on several real gloo processes, or an example under ``accelerate launch``, with a hard
+timeout (a hang must fail the test)."""
 
 from __future__ import annotations
 
 import datetime
 import os
 import queue
+import signal
 import socket
+import subprocess
+import sys
 import traceback
 from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch.multiprocessing as mp
 
 
-def _free_port() -> int:
+ROOT = Path(__file__).resolve().parents[1]
+CPU_CP2 = ROOT / "configs" / "accelerate" / "cpu_cp2.yaml"
+
+
+def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -55,7 +65,7 @@ def run_ranks(fn: Callable, world_size: int, *args: Any, timeout: float = 180.0,
     """
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
-    port = _free_port()
+    port = free_port()
     procs = [ctx.Process(target=_entry, args=(r, world_size, port, fn, args, results, env or {}, pg_timeout_s),
                          daemon=False) for r in range(world_size)]
     for p in procs:
@@ -97,3 +107,30 @@ def run_ranks(fn: Callable, world_size: int, *args: Any, timeout: float = 180.0,
     if errors:
         raise AssertionError("\n".join(f"--- rank {r} ---\n{msg}" for r, msg in sorted(errors.items())))
     return [outcome[r][1] for r in range(world_size)]
+
+
+@dataclass(frozen=True)
+class Launched:
+    """What an example printed (stdout and stderr interleaved) and how it exited."""
+
+    returncode: int
+    output: str
+
+
+def launch_example(script: str, *args: str, launcher_args: tuple[str, ...] = ("--config_file", str(CPU_CP2)),
+                   timeout: float = 300, env: dict[str, str] | None = None) -> Launched:
+    """``accelerate launch`` of ``examples/<script>`` on a free port, in its own process group so that
+    a hang past ``timeout`` kills every rank and fails the test."""
+    command = [sys.executable, "-m", "accelerate.commands.launch", *launcher_args, "--main_process_port",
+               str(free_port()), str(ROOT / "examples" / script), *args]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1",
+           "HF_HUB_DISABLE_TELEMETRY": "1", **(env or {})}
+    proc = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    try:
+        output, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        output, _ = proc.communicate()
+        raise AssertionError(f"{script} did not finish within {timeout:.0f} s:\n{output[-4000:]}") from None
+    return Launched(proc.returncode, output)

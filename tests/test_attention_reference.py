@@ -7,14 +7,10 @@ import pytest
 import torch
 
 from hf_blockdiag_cp import blockdiag_attention
+from tests.layouts import runs as _runs
 from tests.reference import dense_reference
 
 CPU_BACKENDS = ["sdpa_doc", "sdpa_mask"]
-
-
-def _runs(*pairs: tuple[int, int]) -> list[int]:
-    """Doc ids from ``(doc_id, length)`` pairs."""
-    return [d for d, n in pairs for _ in range(n)]
 
 
 # name -> (doc_ids over S, row_offset, L)

@@ -25,16 +25,12 @@ from hf_blockdiag_cp.kernels import (
     choose_backend,
     unavailable_reason,
 )
+from tests.layouts import runs as _runs
 from tests.reference import dense_reference
 from tests.standins import FlashContractError, Standins, clear_caches, standins  # noqa: F401 (fixture)
 from tests.standins import flash_attn as flash_standin
 
 FLEX_EAGER_WARNING = "ignore:flex_attention called without torch.compile"
-
-
-def _runs(*pairs: tuple[int, int]) -> list[int]:
-    """Document ids from ``(doc_id, length)`` runs."""
-    return [d for d, n in pairs for _ in range(n)]
 
 
 # name -> (doc_ids [S] or [B][S], row_offset, L). Every query row block is [row_offset, row_offset + L).

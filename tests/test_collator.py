@@ -17,6 +17,7 @@ from hf_blockdiag_cp import (
     PackingCollator,
     from_flattened,
 )
+from tests.layouts import unshard
 
 KEYS = {"input_ids", "position_ids", "labels", "shift_labels", "num_items_in_batch", "cp_context", "use_cache"}
 
@@ -28,13 +29,6 @@ def docs(*lengths: int, start: int = 1) -> list[dict]:
         out.append({"input_ids": list(range(start, start + n))})
         start += n
     return out
-
-
-def unshard(batches: list[dict], key: str) -> torch.Tensor:
-    full = torch.zeros(sum(b[key].shape[1] for b in batches), dtype=torch.int64)
-    for b in batches:
-        full[b["cp_context"].local_index] = b[key][0]
-    return full
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -6,14 +6,12 @@ from __future__ import annotations
 import glob
 import json
 import math
-import os
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import yaml
+from tests.distributed import launch_example
 
 ROOT = Path(__file__).resolve().parent.parent
 CONFIGS = sorted(glob.glob(str(ROOT / "configs" / "accelerate" / "*.yaml")))
@@ -41,14 +39,11 @@ def test_accelerate_configs_parse_and_fit_their_cp_size(path):
 
 def _launch(tmp_path, *args: str, timeout: int = 300) -> dict:
     summary = tmp_path / "summary.json"
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
-           str(ROOT / "configs" / "accelerate" / "cpu_cp2.yaml"), str(ROOT / "examples" / "train_packed_cp.py"),
-           "--summary-json", str(summary), "--no-progress", *args]
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    proc = launch_example("train_packed_cp.py", "--summary-json", str(summary), "--no-progress", *args,
+                          timeout=timeout)
+    assert proc.returncode == 0, proc.output[-8000:]
     result = json.loads(summary.read_text())
-    result["stdout"] = proc.stdout
+    result["stdout"] = proc.output
     return result
 
 
@@ -87,10 +82,7 @@ def test_example_with_fsdp2_and_activation_checkpointing_keeps_parity(tmp_path):
 
 @pytest.mark.distributed
 def test_example_rejects_a_cp_size_that_does_not_divide_the_world(tmp_path):
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
-           str(ROOT / "configs" / "accelerate" / "cpu_cp2.yaml"), str(ROOT / "examples" / "train_packed_cp.py"),
-           "--cp-size", "3", "--steps", "1", "--max-docs", "4", "--no-progress"]
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=180,
-                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    proc = launch_example("train_packed_cp.py", "--cp-size", "3", "--steps", "1", "--max-docs", "4", "--no-progress",
+                          timeout=180)
     assert proc.returncode != 0
-    assert "world size 2 is not divisible by cp_size=3" in proc.stderr
+    assert "world size 2 is not divisible by cp_size=3" in proc.output

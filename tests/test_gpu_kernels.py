@@ -35,6 +35,7 @@ if __package__ in (None, ""):  # run as a script from the repository root
 from hf_blockdiag_cp import BlockDiagCPConfig, blockdiag_attention  # noqa: E402
 from hf_blockdiag_cp.attention.core import kernel_spec  # noqa: E402
 from hf_blockdiag_cp.kernels import unavailable_reason  # noqa: E402
+from tests.layouts import runs as _runs
 from tests.reference import dense_reference  # noqa: E402
 
 DEVICE = "cuda"  # a module constant so the tolerance logic can be dry-run elsewhere
@@ -48,10 +49,6 @@ BOUNDS = {
 
 class SkipCase(Exception):
     """A case that cannot run here (library absent, dtype unsupported)."""
-
-
-def _runs(*pairs: tuple[int, int]) -> list[int]:
-    return [d for d, n in pairs for _ in range(n)]
 
 
 def _short_docs_with_padding(total: int, real: int) -> list[int]:

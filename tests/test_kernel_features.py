@@ -19,20 +19,16 @@ from hf_blockdiag_cp.kernels import (
     BackendUnavailable,
     KernelCall,
     KernelSpec,
+    _chunked,
     available_backends,
     choose_backend,
     get_backend,
+    torch_varlen,
     unavailable_reason,
 )
-from hf_blockdiag_cp.kernels import _chunked, torch_varlen
+from tests.layouts import runs as _runs
 from tests.reference import dense_reference
 from tests.standins import standins  # noqa: F401 (fixture)
-
-
-def _runs(*pairs: tuple[int, int]) -> list[int]:
-    """Document ids from ``(doc_id, length)`` runs."""
-    return [d for d, n in pairs for _ in range(n)]
-
 
 # name -> (doc_ids [S] or [B][S], row_offset, L). Query rows are global positions [row_offset, row_offset + L).
 LAYOUTS: dict[str, tuple[list, int, int]] = {

@@ -12,15 +12,13 @@
 from __future__ import annotations
 
 import functools
-import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import yaml
 
-from tests.distributed import run_ranks
+from tests.distributed import Launched, launch_example, run_ranks
 
 ROOT = Path(__file__).resolve().parent.parent
 CPU_CONFIG = ROOT / "configs" / "accelerate" / "cpu_cp2.yaml"
@@ -74,11 +72,9 @@ def test_accelerate_launch_flag_is_found_on_the_launcher_command_line():
     assert _flag_in([*launcher, "train.py", "--cp-size", "2"]) is None
 
 
-def _launch(args: list[str], script: str, timeout: int = 180) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", *args, str(ROOT / "examples" / script), "--steps", "1",
-           "--max-docs", "4", "--no-progress"]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "HF_HUB_DISABLE_TELEMETRY": "1"}
-    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+def _launch(args: list[str], script: str, timeout: int = 180) -> Launched:
+    return launch_example(script, "--steps", "1", "--max-docs", "4", "--no-progress", launcher_args=tuple(args),
+                          timeout=timeout)
 
 
 @pytest.mark.distributed
@@ -86,9 +82,9 @@ def _launch(args: list[str], script: str, timeout: int = 180) -> subprocess.Comp
 def test_example_refuses_accelerates_cp_flag_on_the_launcher_command_line():
     # accelerate drops the flag on CPU (no --use_parallelism_config): without the check the example would run.
     proc = _launch(["--config_file", str(CPU_CONFIG), "--parallelism_config_cp_size", "2"], "train_packed_cp.py")
-    assert proc.returncode != 0, proc.stdout[-2000:]
-    assert "--parallelism_config_cp_size 2 on the accelerate launch command line" in proc.stderr, proc.stderr[-3000:]
-    assert "--cp-size" in proc.stderr
+    assert proc.returncode != 0, proc.output[-2000:]
+    assert "--parallelism_config_cp_size 2 on the accelerate launch command line" in proc.output, proc.output[-3000:]
+    assert "--cp-size" in proc.output
 
 
 @pytest.mark.distributed
@@ -100,9 +96,9 @@ def test_example_refuses_accelerates_cp_from_a_config_file(tmp_path):
     path = tmp_path / "accelerate_cp.yaml"
     path.write_text(yaml.safe_dump(config))
     proc = _launch(["--config_file", str(path)], "sft_trl_cp.py")
-    assert proc.returncode != 0, proc.stdout[-2000:]
-    assert "PARALLELISM_CONFIG_CP_SIZE=2" in proc.stderr, proc.stderr[-3000:]
-    assert "parallelism_config.parallelism_config_cp_size" in proc.stderr and "--cp-size" in proc.stderr
+    assert proc.returncode != 0, proc.output[-2000:]
+    assert "PARALLELISM_CONFIG_CP_SIZE=2" in proc.output, proc.output[-3000:]
+    assert "parallelism_config.parallelism_config_cp_size" in proc.output and "--cp-size" in proc.output
 
 
 def test_cptrainer_refuses_accelerates_cp(tmp_path, monkeypatch):

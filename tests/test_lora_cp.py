@@ -5,24 +5,14 @@ the same rows without CP."""
 from __future__ import annotations
 
 import json
-import os
-import signal
-import socket
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from tests.distributed import launch_example
 
 pytest.importorskip("peft")
 
 ROOT = Path(__file__).resolve().parent.parent
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.mark.distributed
@@ -30,21 +20,11 @@ def _free_port() -> int:
 def test_lora_example_cp2_parity(tmp_path):
     summary_path = tmp_path / "summary.json"
     # --lora-init random: B is not zero, so every adapter matrix (A too) has a gradient in the compared step.
-    command = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
-               str(ROOT / "configs" / "accelerate" / "cpu_cp2.yaml"), "--main_process_port", str(_free_port()),
-               str(ROOT / "examples" / "trainer_packed_cp.py"), "--cp-size", "2", "--max-docs", "24",
-               "--seq-len", "512", "--steps", "2", "--lora", "--lora-r", "4", "--lora-alpha", "8",
-               "--lora-target-modules", "q_proj,v_proj", "--lora-init", "random", "--grad-checkpointing",
-               "--check-parity", "--no-progress", "--summary-json", str(summary_path)]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
-    proc = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)  # its own process group: a hang kills every rank
-    try:
-        output, _ = proc.communicate(timeout=240)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        output, _ = proc.communicate()
-        raise AssertionError(f"the example did not finish within 240 s:\n{output[-4000:]}")
+    proc = launch_example("trainer_packed_cp.py", "--cp-size", "2", "--max-docs", "24", "--seq-len", "512",
+                          "--steps", "2", "--lora", "--lora-r", "4", "--lora-alpha", "8", "--lora-target-modules",
+                          "q_proj,v_proj", "--lora-init", "random", "--grad-checkpointing", "--check-parity",
+                          "--no-progress", "--summary-json", str(summary_path), timeout=240)
+    output = proc.output
     assert proc.returncode == 0, output[-4000:]
     summary = json.loads(summary_path.read_text())
     assert summary["lora"] and summary["cp_size"] == 2 and summary["world"] == 2

@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 
 from hf_blockdiag_cp import PackingCollator
 from hf_blockdiag_cp.data.packing import Piece, best_fit_decreasing, pack_pieces, split_overflow
+from tests.layouts import unshard
 
 FAST = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
@@ -154,16 +155,6 @@ def make_examples(lengths: list[int], label_masks: list[list[bool]]) -> tuple[li
         examples.append({"input_ids": ids, "labels": labels, "extra": "ignored"})
         where.update({tok: (doc, off, lab) for off, (tok, lab) in enumerate(zip(ids, labels))})
     return examples, where
-
-
-def unshard(rank_batches: list[dict], key: str) -> torch.Tensor:
-    """Concatenate every rank's ``[1, L]`` slice in ``local_index`` order into the ``[S]`` row."""
-    full_len = sum(b[key].shape[1] for b in rank_batches)
-    out = torch.full((full_len,), -12345, dtype=torch.int64)
-    for b in rank_batches:
-        out[b["cp_context"].local_index] = b[key][0]
-    assert (out != -12345).all()
-    return out
 
 
 def check_row_against_inputs(ids: torch.Tensor, pos: torch.Tensor, shift: torch.Tensor, doc_ids: torch.Tensor,

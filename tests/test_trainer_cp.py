@@ -11,17 +11,12 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import signal
-import socket
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 from transformers import TrainerCallback
 
-from tests.distributed import run_ranks
+from tests.distributed import launch_example, run_ranks
 
 pytestmark = pytest.mark.distributed
 
@@ -204,30 +199,14 @@ def test_bad_setups_fail_fast(tmp_path):
         assert "shift_labels" in messages["no shift_labels"]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.slow
 def test_example_two_processes_with_accelerate_launch(tmp_path):
     """The real launcher and example: 2 CPU processes (cp=2), loss falls, first step matches no-CP."""
     summary_path = tmp_path / "summary.json"
-    command = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
-               str(ROOT / "configs" / "accelerate" / "cpu_cp2.yaml"), "--main_process_port", str(_free_port()),
-               str(ROOT / "examples" / "trainer_packed_cp.py"), "--cp-size", "2", "--max-docs", "24",
-               "--seq-len", "512", "--steps", "12", "--check-parity", "--no-progress",
-               "--output-dir", str(tmp_path / "model"), "--summary-json", str(summary_path)]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)  # its own process group: a hang kills every rank
-    try:
-        output, _ = proc.communicate(timeout=300)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        output, _ = proc.communicate()
-        raise AssertionError(f"the example did not finish within 300 s:\n{output[-4000:]}")
+    proc = launch_example("trainer_packed_cp.py", "--cp-size", "2", "--max-docs", "24", "--seq-len", "512",
+                          "--steps", "12", "--check-parity", "--no-progress", "--output-dir", str(tmp_path / "model"),
+                          "--summary-json", str(summary_path))
+    output = proc.output
     assert proc.returncode == 0, output[-4000:]
     summary = json.loads(summary_path.read_text())
     losses = summary["losses"]

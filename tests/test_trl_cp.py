@@ -13,15 +13,12 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import random
-import signal
-import socket
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from tests.distributed import launch_example
 
 pytest.importorskip("trl")
 pytest.importorskip("datasets")
@@ -42,32 +39,16 @@ def _documents() -> list[str]:
     return [doc(i, rng.randint(1, 12)) for i in range(14)] + [doc(100, 10), doc(101, 7), doc(102, 1)]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.distributed
 @pytest.mark.slow
 def test_sft_example_two_processes_matches_documents_alone(tmp_path):
     data = tmp_path / "docs.jsonl"
     data.write_text("".join(json.dumps({"text": t}) + "\n" for t in _documents()))
     summary_path = tmp_path / "summary.json"
-    command = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
-               str(ROOT / "configs" / "accelerate" / "cpu_cp2.yaml"), "--main_process_port", str(_free_port()),
-               str(ROOT / "examples" / "sft_trl_cp.py"), "--data", str(data), "--eval-docs", "3",
-               "--seq-len", str(SEQ_LEN), "--grad-accum", "2", "--steps", "2", "--check-parity", "--no-progress",
-               "--summary-json", str(summary_path)]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "HF_HUB_DISABLE_TELEMETRY": "1"}
-    proc = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)  # its own process group: a hang kills every rank
-    try:
-        output, _ = proc.communicate(timeout=240)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        output, _ = proc.communicate()
-        raise AssertionError(f"the example did not finish within 240 s:\n{output[-4000:]}")
+    proc = launch_example("sft_trl_cp.py", "--data", str(data), "--eval-docs", "3", "--seq-len", str(SEQ_LEN),
+                          "--grad-accum", "2", "--steps", "2", "--check-parity", "--no-progress", "--summary-json",
+                          str(summary_path), timeout=240)
+    output = proc.output
     assert proc.returncode == 0, output[-4000:]
     summary = json.loads(summary_path.read_text())
     assert summary["world"] == 2 and summary["dp_size"] == 1 and summary["cp_size"] == 2  # the default CP size

@@ -11,7 +11,7 @@ import torch
 from .._validate import check_int
 from ..config import PLACEMENTS, BlockDiagCPConfig
 from ..distributed.groups import group_to_ref, ref_to_group
-from .examples import read_example
+from .examples import Document, read_example
 from .packing import check_overflow, rows_of_documents
 from .rows import PackedRow, assemble_rows
 from .sharding import rank_batch, resolve_cp, row_multiple

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import enum
 import warnings
-from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
