@@ -68,6 +68,8 @@ class BlockDiagCPContext:
         config: the :class:`~hf_blockdiag_cp.config.BlockDiagCPConfig` of this step.
         placement: which positions every CP rank holds (``None`` on one rank).
         window_plans: per planned sliding window, the varlen and exchange plans of windowed layers.
+        plan_fingerprint: hash of what every CP rank must have planned alike (placement, windows,
+            exchange strategies, backend request); compared in the step's agreement.
         position_ids: ``[B, S]`` int64 CPU position ids of the full rows when known (the collators
             give them), else ``None``; :attr:`local_position_ids` is this rank's share, which
             :func:`~hf_blockdiag_cp.guard_model` supplies to a forward that lacks ``position_ids``.
@@ -88,6 +90,7 @@ class BlockDiagCPContext:
     placement: Placement | None = None
     window_plans: dict[int, tuple[VarlenPlan, ExchangePlan]] = field(default_factory=dict)
     position_ids: torch.Tensor | None = None
+    plan_fingerprint: int = 0
     state: StepState = field(default_factory=StepState, repr=False, compare=False)
 
     @classmethod
@@ -158,9 +161,13 @@ class BlockDiagCPContext:
                                      validate=config.validate), exchange
 
         plan, exchange = plans(None)
+        window_plans = {w: plans(w) for w in windows}
         local_index = placement.index[cp_rank]
+        summary = repr((cp_size, local_len, config.backend, placement.kind,
+                        [(w, str(ex.strategy)) for w, (_, ex) in [(None, (plan, exchange)), *window_plans.items()]]))
         return cls(row_offset=int(local_index[0]), local_index=local_index, plan=plan, exchange=exchange,
-                   placement=placement, window_plans={w: plans(w) for w in windows}, **common)
+                   placement=placement, window_plans=window_plans,
+                   plan_fingerprint=fingerprint(summary.encode(), placement.index.numpy().tobytes()), **common)
 
     def plans_for(self, window: int | None) -> tuple[VarlenPlan, ExchangePlan | None]:
         """The varlen and exchange plans of a layer with sliding ``window`` (the full ones if that

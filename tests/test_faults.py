@@ -62,7 +62,7 @@ def _context(rank: int, world: int, group, config, *, lengths=LENGTHS, seed: int
     from hf_blockdiag_cp import BlockDiagCPContext
 
     doc_ids, ids, pos = _row(lengths, seed)
-    ctx = BlockDiagCPContext.build(doc_ids, cp_rank=rank, cp_size=cp_size or world, group=group, config=config,
+    ctx = BlockDiagCPContext.build(doc_ids, placement="contiguous", cp_rank=rank, cp_size=cp_size or world, group=group, config=config,
                                    input_ids=ids, position_ids=pos)
     sl = slice(ctx.row_offset, ctx.row_offset + ctx.local_len)
     return ctx, ids[:, sl], pos[:, sl]

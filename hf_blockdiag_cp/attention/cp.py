@@ -21,7 +21,6 @@ from ..distributed.groups import GroupRef
 from ..kernels import KernelSpec, available_backends
 from ..planning import PlanError
 from ..planning.exchange import Strategy
-from ..planning.fingerprint import fingerprint
 from .core import attend_flat, check_qkv, flat_rows, kernel_spec, resolve_backend
 
 __all__ = ["CPKernelError", "comm_stats", "cp_attention", "step_backends"]
@@ -94,7 +93,7 @@ def _agreed_backends(ctx: BlockDiagCPContext, spec: KernelSpec, device: torch.de
             available_backends(spec, config.disabled_backends),
             _BACKEND_BITS,
             data_fingerprint=ctx.data_fingerprint,
-            plan_fingerprint=_plan_fingerprint(ctx),
+            plan_fingerprint=ctx.plan_fingerprint,
             group=ctx.group,
             rank=ctx.cp_rank,
             size=ctx.cp_size,
@@ -102,14 +101,6 @@ def _agreed_backends(ctx: BlockDiagCPContext, spec: KernelSpec, device: torch.de
             device=device,
         )
     return ctx.state.agreed_backends
-
-
-def _plan_fingerprint(ctx: BlockDiagCPContext) -> int:
-    """Hash of what every rank must have planned alike: placement, windows, strategies, backend request."""
-    plans = [(None, ctx.exchange), *((w, ex) for w, (_, ex) in sorted(ctx.window_plans.items()))]
-    summary = repr((ctx.cp_size, ctx.local_len, ctx.config.backend, ctx.placement.kind,
-                    [(w, str(ex.strategy)) for w, ex in plans]))
-    return fingerprint(summary.encode(), ctx.placement.index.numpy().tobytes())
 
 
 def _backend(ctx: BlockDiagCPContext, spec: KernelSpec, device: torch.device) -> str:
