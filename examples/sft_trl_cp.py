@@ -170,7 +170,12 @@ def main(argv: list[str] | None = None) -> dict:
 
     output_dir = args.output_dir or tempfile.mkdtemp(prefix="sft_trl_cp_")
     config = bd.BlockDiagCPConfig(backend=args.backend, kv_exchange=args.kv_exchange)
-    # ddp_timeout follows HF_BLOCKDIAG_CP_COLLECTIVE_TIMEOUT_S (CPTrainer refuses a longer one).
+    # The process group's timeout follows HF_BLOCKDIAG_CP_COLLECTIVE_TIMEOUT_S (CPTrainer refuses a longer
+    # one). transformers 5.24 passes ddp_timeout on only without use_cpu, so init_device_mesh creates the
+    # group first, with that timeout, and the Trainer's accelerate state adopts it.
+    launched = int(os.environ.get("WORLD_SIZE", "1"))
+    cp_size = resolve_cp_size(args.cp_size, launched)
+    mesh = bd.init_device_mesh(cp_size, config=config) if launched > 1 else None
     sft_args = SFTConfig(
         output_dir=output_dir, use_cpu=not torch.cuda.is_available(), max_steps=args.steps, bf16=False,
         max_length=args.seq_len, packing=not args.no_packing, per_device_train_batch_size=1,
@@ -183,8 +188,6 @@ def main(argv: list[str] | None = None) -> dict:
     main_process = sft_args.process_index == 0
     logging.basicConfig(level=logging.INFO if main_process else logging.WARNING,
                         format="%(asctime)s %(name)s: %(message)s")
-    cp_size = resolve_cp_size(args.cp_size, world)
-    mesh = bd.init_device_mesh(cp_size, config=config) if world > 1 else None
     coords = bd.cp_coordinates(mesh)
 
     model, tokenizer = load_model(args.model, getattr(torch, args.dtype))

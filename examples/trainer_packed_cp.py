@@ -126,9 +126,14 @@ def main(argv: list[str] | None = None) -> dict:
     refuse_accelerate_cp()  # before TrainingArguments starts accelerate
     output_dir = args.output_dir or tempfile.mkdtemp(prefix="trainer_packed_cp_")
     config = bd.BlockDiagCPConfig(backend=args.backend, kv_exchange=args.kv_exchange)
+    # The process group's timeout follows HF_BLOCKDIAG_CP_COLLECTIVE_TIMEOUT_S (CPTrainer refuses a longer
+    # one). transformers 5.24 passes ddp_timeout on only without use_cpu, so init_device_mesh creates the
+    # group first, with that timeout, and the Trainer's accelerate state adopts it.
+    launched = int(os.environ.get("WORLD_SIZE", "1"))
+    cp_size = resolve_cp_size(args.cp_size, launched)
+    mesh = bd.init_device_mesh(cp_size, config=config) if launched > 1 else None
     # use_cpu: on a machine without GPU, `accelerate launch` (torchrun path) + use_cpu=True gives a
-    # MULTI_CPU gloo run; `.device` sets up accelerate's state, which initialises the process group.
-    # ddp_timeout follows HF_BLOCKDIAG_CP_COLLECTIVE_TIMEOUT_S (CPTrainer refuses a longer one).
+    # MULTI_CPU gloo run.
     targs = TrainingArguments(
         output_dir=output_dir, use_cpu=not torch.cuda.is_available(), max_steps=args.steps,
         per_device_train_batch_size=1, gradient_accumulation_steps=args.grad_accum, learning_rate=args.lr,
@@ -140,10 +145,8 @@ def main(argv: list[str] | None = None) -> dict:
     main_process = targs.process_index == 0
     logging.basicConfig(level=logging.INFO if main_process else logging.WARNING,
                         format="%(asctime)s %(name)s: %(message)s")
-    cp_size = resolve_cp_size(args.cp_size, world)
     if world > 1 and not dist.is_initialized():
         raise SystemExit("accelerate did not initialise torch.distributed: launch with accelerate launch or torchrun")
-    mesh = bd.init_device_mesh(cp_size, config=config) if world > 1 else None
     coords = bd.cp_coordinates(mesh)
 
     model, tokenizer = load_model_and_tokenizer(args.model, getattr(torch, args.dtype))

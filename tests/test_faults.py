@@ -261,6 +261,7 @@ def _scenario_worker(rank: int, world: int, names: list[str], ports: list[int], 
     import torch.distributed as dist
 
     import hf_blockdiag_cp as bd
+    from hf_blockdiag_cp.distributed.groups import group_timeout
 
     dist.destroy_process_group()  # the harness's group: every scenario makes its own
     store = dist.TCPStore("127.0.0.1", ports[0], world, rank == 0, timeout=datetime.timedelta(seconds=240))
@@ -270,6 +271,7 @@ def _scenario_worker(rank: int, world: int, names: list[str], ports: list[int], 
         _barrier(store, f"scenario{i}", world)
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
         mesh = bd.init_device_mesh(cp_size, config=config)
+        assert group_timeout().total_seconds() == PG_TIMEOUT_S  # init_device_mesh made the default group
         start = time.monotonic()
         try:
             SCENARIOS[name](rank, world, mesh, config)

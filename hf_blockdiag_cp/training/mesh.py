@@ -85,8 +85,9 @@ def check_group_timeouts(mesh: DeviceMesh | None, config: BlockDiagCPConfig | No
                 f"block its peers in DDP/FSDP collectives for {_seconds(timeout)} s. Create the process group with "
                 f"timeout=BlockDiagCPConfig().process_group_timeout (accelerate: Accelerator(kwargs_handlers="
                 f"[InitProcessGroupKwargs(timeout=...)]); Trainer: TrainingArguments(ddp_timeout="
-                f"{int(bound.total_seconds())}); torch: init_process_group(timeout=...)), or let "
-                f"hf_blockdiag_cp.init_device_mesh create it, or raise {ENV_VARS['collective_timeout_s']} to at "
+                f"{int(bound.total_seconds())}), which transformers ignores with use_cpu=True; torch: "
+                f"init_process_group(timeout=...)), or let hf_blockdiag_cp.init_device_mesh create it before "
+                f"anything else does, or raise {ENV_VARS['collective_timeout_s']} to at "
                 f"least {_seconds(timeout)}")
 
 
