@@ -14,7 +14,10 @@ from typing import TYPE_CHECKING, Any
 from . import training
 from .attention import ATTN_IMPLEMENTATION, BlockDiagMask, blockdiag_attention, blockdiag_cp_attention, register
 from .config import BACKENDS, KV_EXCHANGES, PLACEMENTS, BlockDiagCPConfig
+from .attention.cp import CPKernelError
 from .context import BlockDiagCPContext
+from .distributed import AgreementError, CollectiveError
+from .kernels import BackendUnavailable
 from .data import PackedDataset, PackedRow, PackingCollator, from_flattened, sliding_windows
 from .planning import PlanError, VarlenPlan, build_varlen_plan
 from .training import (
@@ -28,11 +31,16 @@ from .training import (
 )
 
 if TYPE_CHECKING:
-    from .training import CPTrainer
+    from .training import CPSFTTrainer, CPTrainer
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "AgreementError",
+    "BackendUnavailable",
+    "CPKernelError",
+    "CPSFTTrainer",
+    "CollectiveError",
     "ATTN_IMPLEMENTATION",
     "BACKENDS",
     "BlockDiagCPConfig",

@@ -16,11 +16,13 @@ from .mesh import check_group_timeouts, cp_coordinates, init_device_mesh
 
 if TYPE_CHECKING:
     from .trainer import CPTrainer
+    from .trl import CPSFTTrainer
 
 #: Public names loaded lazily, and the module that defines each.
-_LAZY: dict[str, str] = {"CPTrainer": ".trainer"}
+_LAZY: dict[str, str] = {"CPTrainer": ".trainer", "CPSFTTrainer": ".trl"}  # .trl needs the [trl] extra
 
 __all__ = [
+    "CPSFTTrainer",
     "CPTrainer",
     "DataParallelShard",
     "check_batch",
