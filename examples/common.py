@@ -185,6 +185,9 @@ def add_common_args(parser) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     p.add_argument("--grad-checkpointing", action="store_true")
+    p.add_argument("--mixed-precision", default="no", choices=["no", "bf16", "fp16"],
+                   help="run the forward under torch.autocast (parameters stay in --dtype); the parity check "
+                        "compares with a float32 run, so expect differences of the autocast dtype's rounding")
     p.add_argument("--check-parity", action="store_true",
                    help="re-run the first step without CP and print both losses and the max gradient difference")
     p.add_argument("--output-dir", default=None, help="save the trained model here")

@@ -177,7 +177,8 @@ def main(argv: list[str] | None = None) -> dict:
     cp_size = resolve_cp_size(args.cp_size, launched)
     mesh = bd.init_device_mesh(cp_size, config=config) if launched > 1 else None
     sft_args = SFTConfig(
-        output_dir=output_dir, use_cpu=not torch.cuda.is_available(), max_steps=args.steps, bf16=False,
+        output_dir=output_dir, use_cpu=not torch.cuda.is_available(), max_steps=args.steps,
+        bf16=args.mixed_precision == "bf16", fp16=args.mixed_precision == "fp16",
         max_length=args.seq_len, packing=not args.no_packing, per_device_train_batch_size=1,
         per_device_eval_batch_size=1, gradient_accumulation_steps=args.grad_accum, learning_rate=args.lr,
         lr_scheduler_type="constant", warmup_steps=0, max_grad_norm=args.max_grad_norm, logging_steps=1,

@@ -119,7 +119,7 @@ def main(argv: list[str] | None = None) -> dict:
     # MULTI_GPU in the config); cpu=True then makes it a gloo MULTI_CPU run. The process group's
     # timeout follows HF_BLOCKDIAG_CP_COLLECTIVE_TIMEOUT_S: DDP's collectives would otherwise wait 30
     # minutes for a stalled peer (init_device_mesh refuses a longer one).
-    accelerator = Accelerator(cpu=not torch.cuda.is_available(),
+    accelerator = Accelerator(cpu=not torch.cuda.is_available(), mixed_precision=args.mixed_precision,
                               kwargs_handlers=[InitProcessGroupKwargs(timeout=config.process_group_timeout)])
     logging.basicConfig(level=logging.INFO if accelerator.is_main_process else logging.WARNING,
                         format="%(asctime)s %(name)s: %(message)s")
@@ -174,7 +174,8 @@ def main(argv: list[str] | None = None) -> dict:
             dist.all_reduce(tokens, group=mesh["dp"].get_group())  # real tokens of the whole step
         batch = bd.normalize_num_items(_to_device(batch, accelerator.device), mesh, device=accelerator.device)
         start = time.perf_counter()
-        out = model(**batch)
+        with accelerator.autocast():  # a no-op unless --mixed-precision
+            out = model(**batch)
         accelerator.backward(out.loss)
         loss = bd.reduce_loss_for_logging(out.loss, mesh).item()
         if step == 0 and ref_model is not None:
@@ -200,7 +201,7 @@ def main(argv: list[str] | None = None) -> dict:
     kv = gather_floats(kv_bytes, world)
     summary = {
         "world": world, "wrapper": wrapper, "lora": args.lora, "fsdp2": sharded, "dp_size": coords["dp_size"],
-        "cp_size": coords["cp_size"], "seq_len": args.seq_len,
+        "cp_size": coords["cp_size"], "seq_len": args.seq_len, "mixed_precision": args.mixed_precision,
         "steps": args.steps, "first_loss": losses[0], "last_loss": losses[-1], "losses": losses,
         "tokens_per_s": tokens_per_s,
         "peak_memory_gib_per_rank": [p / 2**30 for p in peaks],

@@ -140,7 +140,8 @@ def main(argv: list[str] | None = None) -> dict:
         lr_scheduler_type="constant", warmup_steps=0, max_grad_norm=args.max_grad_norm, logging_steps=1,
         save_strategy="no", report_to=[], seed=args.seed, disable_tqdm=args.no_progress,
         dataloader_num_workers=args.num_workers, activation_checkpointing=args.grad_checkpointing,
-        ddp_find_unused_parameters=False, ddp_timeout=int(config.process_group_timeout.total_seconds()))
+        ddp_find_unused_parameters=False, ddp_timeout=int(config.process_group_timeout.total_seconds()),
+        bf16=args.mixed_precision == "bf16", fp16=args.mixed_precision == "fp16")
     device, world = targs.device, targs.world_size
     main_process = targs.process_index == 0
     logging.basicConfig(level=logging.INFO if main_process else logging.WARNING,

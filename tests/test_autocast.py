@@ -107,3 +107,42 @@ def test_bf16_autocast_at_cp2_matches_documents_alone():
         assert _rel(torch.from_numpy(logits)[real], expected[real]) < 2e-2
     for name, g in results[0][1].items():
         assert _rel(torch.from_numpy(g), grads32[name]) < 5e-2, name
+
+
+def _trainer_first_loss(tmp_path, bf16: bool) -> float:
+    from transformers import TrainingArguments
+
+    rows = bd.PackedDataset([{"input_ids": d.tolist()} for d in _docs()], SEQ_LEN)
+    args = TrainingArguments(output_dir=str(tmp_path / f"bf16_{bf16}"), use_cpu=True, bf16=bf16, max_steps=1,
+                             per_device_train_batch_size=1, report_to=[], save_strategy="no", logging_steps=1,
+                             disable_tqdm=True)
+    trainer = bd.CPTrainer(model=tiny_model("llama", attn_implementation="blockdiag_cp"), args=args,
+                           train_dataset=rows, data_collator=bd.PackingCollator(SEQ_LEN, pad_token_id=0))
+    trainer.train()
+    return [h["loss"] for h in trainer.state.log_history if "loss" in h][0]
+
+
+def test_trainer_with_bf16_matches_fp32(tmp_path):
+    """``TrainingArguments(bf16=True)`` runs the forward under CPU autocast: it trains, within bf16 rounding."""
+    loss32 = _trainer_first_loss(tmp_path, False)
+    loss16 = _trainer_first_loss(tmp_path, True)
+    assert abs(loss16 - loss32) <= 2e-2 * abs(loss32), (loss16, loss32)
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_example_with_mixed_precision_bf16_keeps_parity(tmp_path):
+    import json
+
+    from tests.distributed import launch_example
+
+    summary = tmp_path / "summary.json"
+    proc = launch_example("train_packed_cp.py", "--cp-size", "2", "--seq-len", "512", "--steps", "2",
+                          "--max-docs", "24", "--mixed-precision", "bf16", "--check-parity", "--no-progress",
+                          "--summary-json", str(summary), timeout=240)
+    assert proc.returncode == 0, proc.output[-4000:]
+    result = json.loads(summary.read_text())
+    assert result["mixed_precision"] == "bf16" and result["cp_size"] == 2
+    parity = result["parity"]  # against one process in float32
+    assert parity["abs_loss_diff"] <= 2e-2 * abs(parity["loss_no_cp"]), parity
+    assert parity["max_grad_diff"] <= 5e-2, parity
