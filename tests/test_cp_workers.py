@@ -37,10 +37,13 @@ def _worker(rank: int, world: int) -> list:
             logits = model(**batch).logits[0]
             # The same row on one process (CP = 1), rebuilt from every rank's shard.
             full = {}
+            where = [torch.empty_like(ctx.local_index) for _ in range(world)]
+            torch.distributed.all_gather(where, ctx.local_index)  # each rank's global positions
             for key in ("input_ids", "position_ids"):
                 parts = [torch.empty_like(batch[key]) for _ in range(world)]
                 torch.distributed.all_gather(parts, batch[key])
-                full[key] = torch.cat(parts, dim=1)
+                full[key] = torch.empty(1, ctx.full_len, dtype=batch[key].dtype)
+                full[key][0, torch.cat(where)] = torch.cat(parts, dim=1)[0]
             one = bd.BlockDiagCPContext.build(ctx.doc_ids)
             ref = model(**full, cp_context=one, use_cache=False).logits[0, ctx.local_index]
             real = ctx.doc_ids[0, ctx.local_index] != 0
