@@ -92,7 +92,7 @@ def _model_worker(rank: int, world: int) -> dict:
     return report
 
 
-@pytest.mark.parametrize("world", [2, pytest.param(3, marks=pytest.mark.slow), 4])
+@pytest.mark.parametrize("world", [2, pytest.param(3, marks=pytest.mark.slow), pytest.param(4, marks=pytest.mark.slow)])
 def test_training_step_matches_documents_alone_for_every_placement(world):
     reports = run_ranks(_model_worker, world, timeout=420)
     strategies = [{k: v[0] for k, v in r.items()} for r in reports]

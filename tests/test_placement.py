@@ -36,7 +36,7 @@ def row_of(lengths: list[int], pad: int) -> list[int]:
     return row + [0] * pad
 
 
-@settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(data=st.data(), cp_size=st.integers(1, 8), kind=st.sampled_from(["contiguous", "zigzag", "balanced"]),
        window=st.sampled_from([None, 1, 3, 8]), strategy=st.sampled_from(["auto", "a2a", "allgather"]))
 def test_every_placement_is_served_exactly(data, cp_size, kind, window, strategy):

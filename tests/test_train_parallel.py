@@ -76,7 +76,8 @@ def _parallel_worker(rank: int, world: int, cp_size: int) -> dict:
     return results
 
 
-@pytest.mark.parametrize("world,cp_size", [(2, 2), (4, 2), (4, 4)])
+@pytest.mark.parametrize("world,cp_size", [(2, 2), pytest.param(4, 2, marks=pytest.mark.slow),
+                                           pytest.param(4, 4, marks=pytest.mark.slow)])
 def test_one_step_matches_single_process_with_ddp_and_fsdp2(world, cp_size):
     results = run_ranks(_parallel_worker, world, cp_size, timeout=300)
     assert all(r == results[0] for r in results)  # every rank logs the same global mean

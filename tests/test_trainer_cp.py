@@ -124,6 +124,7 @@ def _one_step_worker(rank: int, world: int, tmp: str) -> dict:
     return logged
 
 
+@pytest.mark.slow
 def test_one_trainer_step_matches_documents_run_alone(tmp_path):
     """Two micro-batches (rows) per step on cp=2: the Trainer's own token counting and loss scaling give
     the exact token mean over both rows; the data path gives both CP ranks the same rows; an evaluate()
