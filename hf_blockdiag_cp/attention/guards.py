@@ -15,7 +15,8 @@ and post-hook on the model itself: the pre-hook refuses a batch with more than o
 packing information (``cp_context``, ``cu_seq_lens_*`` or packed ``position_ids``) in which the
 attention function was never called. :func:`patch_transformers` makes transformers install it for
 every model whose ``attn_implementation`` is ``"blockdiag_cp"`` (``from_pretrained``, ``from_config``,
-``set_attn_implementation``), so users need no extra call. Tensor values are read only for models
+``set_attn_implementation``), so users need no extra call, and refuse at load time a model whose source
+has attention layers that never call the interface (:func:`refuse_bypassing_model`). Tensor values are read only for models
 that will be refused anyway (the hooks cost two dictionary reads otherwise).
 """
 
@@ -30,7 +31,7 @@ from typing import Any
 import torch
 
 __all__ = ["ForwardProbe", "PROBE_ATTR", "UnsupportedModel", "install", "mark_attention_call", "packing_refusal",
-           "patch_transformers"]
+           "patch_transformers", "refuse_bypassing_model"]
 
 ATTN_IMPLEMENTATION = "blockdiag_cp"
 PROBE_ATTR = "_blockdiag_cp_probe"
@@ -92,7 +93,11 @@ def packing_refusal(model: torch.nn.Module) -> str | None:
     model_type = _model_type(model)
     if model_type in KNOWN_PACKING_REFUSALS:
         return f"{model_type}: {KNOWN_PACKING_REFUSALS[model_type]}"
+    from transformers import PreTrainedModel
+
     for name, sub in model.named_modules():
+        if isinstance(sub, PreTrainedModel):  # the model classes themselves are named after the architecture
+            continue
         kind = None
         if isinstance(sub, torch.nn.Conv1d):
             kind = "a convolution over the sequence"
@@ -232,6 +237,13 @@ def patch_transformers() -> None:
         return
     original_post_init = PreTrainedModel.post_init
     original_set = PreTrainedModel.set_attn_implementation
+    original_check = PreTrainedModel._check_and_adjust_attn_implementation
+
+    @functools.wraps(original_check)
+    def check_and_adjust(self: PreTrainedModel, attn_implementation: Any, *args: Any, **kwargs: Any) -> Any:
+        if attn_implementation == ATTN_IMPLEMENTATION:
+            refuse_bypassing_model(self)
+        return original_check(self, attn_implementation, *args, **kwargs)
 
     @functools.wraps(original_post_init)
     def post_init(self: PreTrainedModel, *args: Any, **kwargs: Any) -> Any:
@@ -252,3 +264,27 @@ def patch_transformers() -> None:
     set_attn_implementation._blockdiag_cp_wrapped = True
     PreTrainedModel.post_init = post_init
     PreTrainedModel.set_attn_implementation = set_attn_implementation
+    PreTrainedModel._check_and_adjust_attn_implementation = check_and_adjust
+
+
+def refuse_bypassing_model(model: torch.nn.Module) -> None:
+    """Raise at load time if ``model``'s own code has attention layers that never call
+    ``AttentionInterface`` (transformers' own source heuristic, ``_can_set_attn_implementation``).
+
+    Composite (multimodal) wrappers are exempt: their vision/audio towers may run their own
+    attention while the text model they wrap calls the interface. Models the heuristic misses are
+    still caught at their first packed forward (:func:`_post_forward`).
+    """
+    config = getattr(model, "config", None)
+    try:
+        composite = config is not None and config.get_text_config() is not config
+    except (ValueError, AttributeError):
+        composite = True
+    can_set = getattr(type(model), "_can_set_attn_implementation", None)
+    if composite or can_set is None or can_set():
+        return
+    raise UnsupportedModel(
+        f"{_model_type(model)} ({type(model).__name__}) does not route attention through transformers' "
+        "AttentionInterface: its attention layers compute attention themselves (or pick a class by implementation "
+        "name), so attn_implementation='blockdiag_cp' would never be called and packed documents would attend to "
+        "each other; blockdiag_cp cannot serve this model")
