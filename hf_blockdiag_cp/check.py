@@ -181,6 +181,8 @@ def _shrink(defaults: dict[str, Any]) -> dict[str, Any]:
     for name in _WINDOWS:
         if has_int(name):
             out[name] = SLIDING_WINDOW
+    if defaults.get("is_decoder") is False and "add_cross_attention" in defaults:
+        out["is_decoder"] = True  # encoder-style models (BERT family) are causal LMs only as decoders
     if has_int("attention_chunk_size"):
         out["attention_chunk_size"] = CHUNK_SIZE
     for name in ("max_position_embeddings", "n_positions", "max_target_positions", "max_seq_len", "n_ctx"):
@@ -244,8 +246,16 @@ def tiny_config(model: str) -> Any:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         base = AutoConfig.for_model(model)
-        if _text_config(base) is not base:  # a composite wrapper: left as it is (not checked)
-            return base
+        text = _text_config(base)
+        if text is not base:
+            text_type = getattr(text, "model_type", None)
+            if text_type in _causal_lm_names() or text_type is None:
+                return base  # a composite wrapper whose text model is its own entry: not checked here
+            # The causal LM of a composite type runs on its text config (e.g. mllama, emu3).
+            config = AutoConfig.for_model(text_type, **_shrink(vars(text)), **CONFIG_FIXES.get(model, {}))
+            config.architectures = [_causal_lm_names()[model]]
+            config.torch_dtype = torch.float32
+            return config
         overrides = _shrink(vars(base))
         for name in getattr(base, "sub_configs", {}) or {}:  # a model made of several sub-models (e.g. blt)
             sub = getattr(base, name, None)
@@ -258,6 +268,12 @@ def tiny_config(model: str) -> Any:
 
 
 # ---------------------------------------------------------------------------------------------- models
+
+def _causal_lm_names() -> dict[str, str]:
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    return dict(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
+
 
 def _composite_reason(model_type: str, config: Any) -> str | None:
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
@@ -277,12 +293,22 @@ def build_model(config: Any, attn_implementation: str | None, seed: int = 0) -> 
     """The causal LM of ``config`` with random weights (seeded), fp32, eval mode."""
     from transformers import AutoModelForCausalLM
 
+    import transformers
+
     torch.manual_seed(seed)
     kwargs = {} if attn_implementation is None else {"attn_implementation": attn_implementation}
+    names = _causal_lm_names()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         # A copy: from_config records the attention implementation on the config object it is given.
-        model = AutoModelForCausalLM.from_config(copy.deepcopy(config), torch_dtype=torch.float32, **kwargs)
+        config = copy.deepcopy(config)
+        if getattr(config, "model_type", None) in names:
+            model = AutoModelForCausalLM.from_config(config, torch_dtype=torch.float32, **kwargs)
+        else:  # the text config of a composite type, with its causal LM class named in `architectures`
+            model = getattr(transformers, config.architectures[0])._from_config(config, torch_dtype=torch.float32,
+                                                                                **kwargs)
+    if hasattr(model, "set_default_language"):  # X-MOD needs a language adapter chosen
+        model.set_default_language(list(getattr(config, "languages", ["en_XX"]))[0])
     return model.float().eval()
 
 
@@ -449,17 +475,17 @@ def _check(model_name: str, result: CheckResult, *, cp_size: int, seed: int, gen
     except Exception as err:
         result.status, result.reason = NOT_APPLICABLE, f"stock model cannot be built: {_first_line(err, 200)}"
         return
+    try:  # before the reference: a model refused at load time is refused whatever the stock model does
+        ours = build_model(config, "blockdiag_cp", seed)
+        ours.load_state_dict(stock.state_dict())
+    except Exception as err:
+        result.status, result.reason = (REFUSED if _is_refusal(err) else FAIL), _first_line(err)
+        return
     docs = make_documents(config, seed)
     try:
         ref_logits, ref_grads = reference_run(stock, docs)
     except Exception as err:
         result.status, result.reason = NOT_APPLICABLE, f"stock model fails on a document alone: {_first_line(err, 200)}"
-        return
-    try:
-        ours = build_model(config, "blockdiag_cp", seed)
-        ours.load_state_dict(stock.state_dict())
-    except Exception as err:
-        result.status, result.reason = (REFUSED if _is_refusal(err) else FAIL), _first_line(err)
         return
     pad = getattr(_text_config(config), "pad_token_id", None)
     pad = pad if isinstance(pad, int) and 0 <= pad < VOCAB else 0

@@ -25,6 +25,7 @@ from __future__ import annotations
 import functools
 import inspect
 import re
+import sys
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -41,6 +42,9 @@ _HOOKED_ATTR = "_blockdiag_cp_hooked"
 _MIXER_PATTERN = re.compile(
     r"Mamba|Ssm|SSM|GatedDelta|DeltaNet|DeltaProduct|LinearAttention|LightningAttention|ShortConv|Rglru|RGLRU|"
     r"RecurrentBlock|Rwkv|LSTM|Lstm|Retention|Hyena|KimiDelta|Recurrent(?!Gemma)")
+
+#: Module paths of other modalities' encoders (their convolutions run over audio/image features).
+_NON_TEXT_PATTERN = re.compile(r"(^|[._])(audio|vision|visual|image|speech|video)", re.IGNORECASE)
 
 #: Architectures whose layers mix across documents in ways the generic detectors do not see
 #: (each entry found by ``python -m hf_blockdiag_cp.check --all``).
@@ -98,6 +102,8 @@ def packing_refusal(model: torch.nn.Module) -> str | None:
     for name, sub in model.named_modules():
         if isinstance(sub, PreTrainedModel):  # the model classes themselves are named after the architecture
             continue
+        if _NON_TEXT_PATTERN.search(name):  # encoders of other modalities do not see the packed text row
+            continue
         kind = None
         if isinstance(sub, torch.nn.Conv1d):
             kind = "a convolution over the sequence"
@@ -108,8 +114,16 @@ def packing_refusal(model: torch.nn.Module) -> str | None:
                     "row whatever the attention does, so packed documents would leak into each other (and a context-"
                     "parallel shard would lose the state of the previous shard); blockdiag_cp refuses rows with more "
                     "than one document for it. Train it on one document per row without context parallelism")
-    forward = getattr(type(model), "forward", None)
-    if forward is not None and "position_ids" not in inspect.signature(forward).parameters:
+    offset = next((sub for sub in model.modules() if hasattr(type(sub), "create_position_ids_from_input_ids")), None)
+    if offset is not None:
+        return (f"{model_type}'s {type(offset).__name__} counts positions from padding_idx + 1 when it computes them "
+                "itself, while packing collators emit per-document position_ids from 0, so every position of a packed "
+                "row would be shifted; blockdiag_cp refuses rows with more than one document for it")
+    # Packed positions reach the embeddings only if some model class in the tree takes position_ids
+    # (WhisperForCausalLM forwards them through **kwargs to its decoder; BartDecoder has none).
+    takes_positions = any("position_ids" in inspect.signature(type(sub).forward).parameters
+                          for sub in model.modules() if isinstance(sub, PreTrainedModel))
+    if not takes_positions:
         return (f"{model_type}'s forward takes no position_ids: its position embeddings count from the row start, not "
                 "from each packed document (and not from a context-parallel shard's offset); blockdiag_cp refuses rows "
                 "with more than one document for it")
@@ -267,6 +281,17 @@ def patch_transformers() -> None:
     PreTrainedModel._check_and_adjust_attn_implementation = check_and_adjust
 
 
+def _picks_attention_class_by_name(cls: type) -> bool:
+    """Whether ``cls``'s module looks its attention class up by implementation name
+    (``X_ATTENTION_CLASSES[config._attn_implementation]``), which only knows the stock names."""
+    module = sys.modules.get(cls.__module__)
+    try:
+        source = inspect.getsource(module) if module is not None else ""
+    except (OSError, TypeError):
+        return False
+    return re.search(r"ATTENTION_CLASSES\[\s*(self\.)?config\._attn_implementation\s*\]", source) is not None
+
+
 def refuse_bypassing_model(model: torch.nn.Module) -> None:
     """Raise at load time if ``model``'s own code has attention layers that never call
     ``AttentionInterface`` (transformers' own source heuristic, ``_can_set_attn_implementation``).
@@ -281,7 +306,8 @@ def refuse_bypassing_model(model: torch.nn.Module) -> None:
     except (ValueError, AttributeError):
         composite = True
     can_set = getattr(type(model), "_can_set_attn_implementation", None)
-    if composite or can_set is None or can_set():
+    by_name = _picks_attention_class_by_name(type(model))
+    if not by_name and (composite or can_set is None or can_set()):
         return
     raise UnsupportedModel(
         f"{_model_type(model)} ({type(model).__name__}) does not route attention through transformers' "

@@ -62,7 +62,7 @@ _USED_KEYWORDS = frozenset({
 #: sdpa and flash integrations ignore them too): model/cache/output bookkeeping, loss inputs that the
 #: loss reads from the same kwargs, kernel-only hints.
 _IGNORED_KEYWORDS = frozenset({
-    "use_cache", "cache_position", "past_key_values", "past_key_value", "cache", "layer_idx", "layer_head_mask",
+    "use_cache", "cache_position", "past_key_values", "past_key_value", "cache", "layer_idx",
     "output_hidden_states", "output_router_logits", "return_dict", "num_items_in_batch", "labels", "shift_labels",
     "seq_idx", "target_dtype", "deterministic", "position_embeddings", "logits_to_keep", "token_type_ids",
 })
