@@ -28,6 +28,8 @@ import io
 import json
 import os
 import queue as queue_module
+import resource
+import socket
 import subprocess
 import sys
 import time
@@ -39,6 +41,13 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import transformers
+from transformers import AutoConfig, AutoModelForCausalLM
+from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+from .data import Document, PackedRow, PackingCollator
 
 __all__ = ["CheckResult", "check_model", "main", "tiny_config"]
 
@@ -235,8 +244,6 @@ def _text_config(config: Any) -> Any:
 
 def tiny_config(model: str) -> Any:
     """A tiny fp32 config of ``model`` (a ``model_type`` or a local config / model folder)."""
-    from transformers import AutoConfig
-
     path = Path(model)
     if path.exists():
         base = AutoConfig.from_pretrained(str(path))
@@ -270,14 +277,10 @@ def tiny_config(model: str) -> Any:
 # ---------------------------------------------------------------------------------------------- models
 
 def _causal_lm_names() -> dict[str, str]:
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
-
     return dict(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
 
 
 def _composite_reason(model_type: str, config: Any) -> str | None:
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
-
     try:
         text = config.get_text_config()
     except ValueError:
@@ -291,10 +294,6 @@ def _composite_reason(model_type: str, config: Any) -> str | None:
 
 def build_model(config: Any, attn_implementation: str | None, seed: int = 0) -> torch.nn.Module:
     """The causal LM of ``config`` with random weights (seeded), fp32, eval mode."""
-    from transformers import AutoModelForCausalLM
-
-    import transformers
-
     torch.manual_seed(seed)
     kwargs = {} if attn_implementation is None else {"attn_implementation": attn_implementation}
     names = _causal_lm_names()
@@ -393,8 +392,6 @@ def packed_inputs(docs: Sequence[torch.Tensor], variant: str, pad_token_id: int 
 def _collated(docs: Sequence[torch.Tensor], *, cp_size: int, cp_rank: int, group: Any, pad_token_id: int
               ) -> dict[str, Any]:
     """A :class:`PackingCollator` batch of ``docs`` laid out in order in one row (model inputs only)."""
-    from .data import Document, PackedRow, PackingCollator
-
     total = sum(len(d) for d in docs)
     seq_len = -(-total // cp_size) * cp_size
     collator = PackingCollator(seq_len, cp_size=cp_size, cp_rank=cp_rank, group=group, pad_token_id=pad_token_id)
@@ -446,8 +443,6 @@ def _generate(model: torch.nn.Module, config: Any, seed: int) -> torch.Tensor:
 def check_model(model_name: str, *, cp_size: int = 1, seed: int = 0, generate: bool = True,
                 variants: Sequence[str] = ("position_ids", "cu_seq_lens", "collator")) -> CheckResult:
     """Run the packed-vs-alone check of one architecture (see the module docstring)."""
-    import hf_blockdiag_cp  # noqa: F401  (registers "blockdiag_cp")
-
     start = time.monotonic()
     result = CheckResult(model=model_name, cp_size=cp_size)
     try:
@@ -561,12 +556,8 @@ def run_cp(model_name: str, config: Any, docs: Sequence[torch.Tensor], cp_size: 
            ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """The collator path on ``cp_size`` spawned gloo ranks: ``(logits of the real tokens, gradients)``
     (logits all-gathered, gradients all-reduced over the ranks)."""
-    import torch.multiprocessing as mp
-
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
-    import socket
-
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -603,10 +594,6 @@ def run_cp(model_name: str, config: Any, docs: Sequence[torch.Tensor], cp_size: 
 def _cp_rank(rank: int, world: int, port: int, config: Any, docs: list[list[int]], seed: int, pad: int,
              queue: Any) -> None:
     os.environ["OMP_NUM_THREADS"] = "1"
-    import torch.distributed as dist
-
-    import hf_blockdiag_cp  # noqa: F401
-
     torch.set_num_threads(1)
     try:
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
@@ -641,16 +628,12 @@ def _cp_rank(rank: int, world: int, port: int, config: Any, docs: list[list[int]
 
 def causal_lm_types() -> list[str]:
     """Every ``model_type`` of the installed transformers' causal-LM mapping."""
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
-
     return list(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
 
 
 def _limit_memory() -> None:
     """Cap a sweep subprocess's address space (``HF_BLOCKDIAG_CP_CHECK_MAX_GB``, default 10): a config the
     generic shrinking misses raises MemoryError instead of waking the kernel's OOM killer."""
-    import resource
-
     limit = int(float(os.environ.get("HF_BLOCKDIAG_CP_CHECK_MAX_GB", "10")) * 2**30)
     resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
 
@@ -674,49 +657,108 @@ def _run_isolated(model: str, cp_size: int, timeout: float, python: str) -> Chec
                        cp_size=cp_size, seconds=time.monotonic() - start)
 
 
-def markdown_table(results: Sequence[CheckResult], *, title: str, seconds: float, cp2: Sequence[CheckResult] = ()
-                   ) -> str:
-    """The sweep as Markdown: counts, then one row per architecture."""
-    import transformers
+#: Refusal causes by a phrase of their message (first match wins), for the summary of the table.
+REFUSAL_CAUSES: tuple[tuple[str, str], ...] = (
+    ("does not route attention through", "attention computed outside `AttentionInterface` (refused when the model "
+                                         "is loaded)"),
+    ("carry state across the whole row", "other token mixers (state-space / linear-attention scans, sequence "
+                                         "convolutions, recurrent cells): packed rows with more than one document "
+                                         "and CP shards refused"),
+    ("forward takes no position_ids", "position embeddings counted from the row start: packed rows refused"),
+    ("padding_idx + 1", "positions offset by `padding_idx + 1` (RoBERTa family): packed rows refused"),
+    ("reads the attention mask itself", "model code uses the attention mask itself (indexers, additive masks)"),
+    ("s_aux", "attention sinks (`s_aux`): no exact kernel yet"),
+    ("softcap", "logit softcapping: no exact CPU kernel yet"),
+    ("bidirectional", "bidirectional (encoder) attention"),
+    ("not causal", "non-causal attention layers (e.g. cross-attention of a composite sub-model)"),
+    ("to its attention function", "an attention keyword blockdiag_cp does not implement"),
+    ("mask", "a mask pattern blockdiag_cp does not implement"),
+)
 
+
+def refusal_cause(reason: str) -> str:
+    """The :data:`REFUSAL_CAUSES` entry a refusal message belongs to (``other`` if none)."""
+    return next((cause for phrase, cause in REFUSAL_CAUSES if phrase in reason), "other")
+
+
+def markdown_table(results: Sequence[CheckResult], *, title: str, seconds: float | None,
+                   cp2: Sequence[CheckResult] = ()) -> str:
+    """The sweep as Markdown: counts, refusal causes, the CP = 2 sample, then one row per architecture."""
     counts = {s: sum(r.status == s for r in results) for s in (EXACT, REFUSED, FAIL, NOT_APPLICABLE)}
+    took = f" in {seconds / 60:.0f} min" if seconds else ""
     lines = [
         f"# {title}",
         "",
-        f"Generated by `python -m hf_blockdiag_cp.check --all --markdown docs/models.md` with transformers "
-        f"{transformers.__version__}, torch {torch.__version__.split('+')[0]} (CPU, fp32): {len(results)} "
-        f"architectures in {seconds / 60:.0f} min.",
+        f"Generated by `python -m hf_blockdiag_cp.check --all --cp2-sample 12 --markdown docs/models.md` with "
+        f"transformers {transformers.__version__}, torch {torch.__version__.split('+')[0]} (CPU, fp32): "
+        f"{len(results)} architectures (every entry of `MODEL_FOR_CAUSAL_LM_MAPPING_NAMES`){took}.",
         "",
         f"**{counts[EXACT]} exact, {counts[REFUSED]} refused, {counts[FAIL]} FAIL, {counts[NOT_APPLICABLE]} not "
         "applicable.**",
         "",
-        "- *exact*: packed documents under `blockdiag_cp` (packed `position_ids`, `cu_seq_lens_*` keywords and "
-        f"`PackingCollator` batches) match each document run alone under stock attention: logits within "
-        f"{LOGITS_ATOL:g}, gradients within {GRAD_RTOL:g} relative, `generate()` token for token.",
-        "- *refused*: the package raises `NotImplementedError` naming the cause (shown) instead of computing "
-        "something else.",
-        "- *FAIL*: different numbers or another error (a bug to fix).",
-        "- *n/a*: composite / multimodal wrappers (their text model is checked as its own entry) or models whose "
-        "stock version fails on its own.",
+        "Each architecture is built from a tiny random config (hidden size 64, two layers covering every layer "
+        f"type of the architecture, sliding windows of {SLIDING_WINDOW}, chunks of {CHUNK_SIZE}) and a row of "
+        f"documents of {', '.join(map(str, LENGTHS))} tokens is compared with each document run alone under the "
+        "model's stock attention:",
         "",
-        "Check your own model: `python -m hf_blockdiag_cp.check MODEL_TYPE_OR_PATH [--cp-size 2]` (also "
-        "`hf-blockdiag-cp-check`).",
+        "- *exact*: packed `position_ids`, `cu_seq_lens_*` keywords (as `DataCollatorWithFlattening` emits them) "
+        f"and `PackingCollator` batches (`cp_context`) all give logits within {LOGITS_ATOL:g} and gradients within "
+        f"{GRAD_RTOL:g} (relative) of the reference, and `generate()` (greedy, left-padded batch) gives the same "
+        "tokens as stock attention.",
+        "- *refused*: blockdiag_cp raises `NotImplementedError` naming the cause instead of computing something else "
+        "(the cause is shown; most refusals concern packed rows only, and one document per row still works).",
+        "- *FAIL*: different numbers or another error: a bug.",
+        "- *n/a*: composite / multimodal wrappers whose text model is checked as its own entry, and architectures "
+        "whose stock model cannot be built or run from a default config in this transformers version.",
+        "",
+        "Check your own model (a `model_type` or a local config / model folder, shrunk to a tiny size): "
+        "`python -m hf_blockdiag_cp.check MODEL_TYPE_OR_PATH [--cp-size 2]`, also installed as "
+        "`hf-blockdiag-cp-check`.",
         "",
     ]
+    refused = [r for r in results if r.status == REFUSED]
+    if refused:
+        by_cause: dict[str, list[str]] = {}
+        for r in refused:
+            by_cause.setdefault(refusal_cause(r.reason), []).append(r.model)
+        lines += ["## Why architectures are refused", "", "| cause | architectures |", "|---|---|"]
+        for cause, models in sorted(by_cause.items(), key=lambda kv: -len(kv[1])):
+            lines.append(f"| {cause} | {len(models)}: " + ", ".join(f"`{m}`" for m in models) + " |")
+        lines.append("")
     if cp2:
         ok = sum(r.status == EXACT for r in cp2)
-        lines += [f"At CP = 2 (two gloo ranks, `PackingCollator` path) {ok} of the {len(cp2)} sampled exact "
-                  "architectures are exact: " + ", ".join(f"`{r.model}` ({r.status})" for r in cp2) + ".", ""]
-    lines += ["| model type | result | logits | grads | generate | detail |", "|---|---|---|---|---|---|"]
+        lines += ["## Context parallelism", "",
+                  f"At CP = 2 (two gloo ranks, `PackingCollator` batches with the K/V exchange) {ok} of the "
+                  f"{len(cp2)} sampled exact architectures are exact:", "",
+                  "| model type | result | logits | grads |", "|---|---|---|---|"]
+        for r in cp2:
+            lines.append(f"| `{r.model}` | {r.status} | {_num(r.logits_err)} | {_num(r.grad_err)} |")
+        lines.append("")
+    lines += ["## Every architecture", "", "| model type | result | logits | grads | generate | detail |",
+              "|---|---|---|---|---|---|"]
     for r in results:
         detail = r.reason.replace("|", "\\|")
         if len(detail) > 300:
             detail = detail[:297] + "..."
-        logits = f"{r.logits_err:.0e}" if r.logits_err is not None else ""
-        grads = f"{r.grad_err:.0e}" if r.grad_err is not None else ""
         gen = r.generate if len(r.generate) < 40 else r.generate.split(":")[0]
-        lines.append(f"| `{r.model}` | {r.status} | {logits} | {grads} | {gen.replace('|', '/')} | {detail} |")
+        lines.append(f"| `{r.model}` | {r.status} | {_num(r.logits_err)} | {_num(r.grad_err)} | "
+                     f"{gen.replace('|', '/')} | {detail} |")
     return "\n".join(lines) + "\n"
+
+
+def _num(value: float | None) -> str:
+    return "" if value is None else f"{value:.0e}"
+
+
+def read_jsonl(path: Path) -> tuple[list[CheckResult], list[CheckResult]]:
+    """``(CP = 1 results, CP > 1 results)`` of a sweep's JSON lines (the last line per model wins)."""
+    one: dict[str, CheckResult] = {}
+    more: dict[str, CheckResult] = {}
+    for line in path.read_text().splitlines():
+        if line.strip():
+            r = CheckResult(**json.loads(line))
+            (one if r.cp_size == 1 else more)[r.model] = r
+    return list(one.values()), list(more.values())
 
 
 def sweep(models: Sequence[str], *, cp_size: int, timeout: float, jsonl: Path | None) -> list[CheckResult]:
@@ -753,10 +795,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--timeout", type=float, default=300.0, help="with --all: seconds per architecture")
     parser.add_argument("--cp2-sample", type=int, default=0,
                         help="with --all: also check this many exact architectures at CP=2")
+    parser.add_argument("--from-jsonl", action="store_true",
+                        help="with --jsonl and --markdown: only rewrite the table from a finished sweep")
     parser.add_argument("--no-generate", action="store_true", help="skip the generate() comparison")
     parser.add_argument("--json", action="store_true", help="print the result as one JSON line")
     parser.add_argument("--verbose", action="store_true", help="print every variant and tracebacks")
     args = parser.parse_args(argv)
+    if args.from_jsonl:
+        if args.jsonl is None or args.markdown is None:
+            parser.error("--from-jsonl needs --jsonl and --markdown")
+        one, more = read_jsonl(args.jsonl)
+        args.markdown.write_text(markdown_table(one, title="Architecture conformance", seconds=None, cp2=more))
+        return 0
     if args.all:
         start = time.monotonic()
         results = sweep(causal_lm_types(), cp_size=1, timeout=args.timeout, jsonl=args.jsonl)

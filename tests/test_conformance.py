@@ -29,6 +29,7 @@ FAST = {
     "ctrl": (EXACT, ""),
     "gpt_bigcode": (EXACT, ""),
     "persimmon": (EXACT, ""),
+    "whisper": (EXACT, ""),
     # 2. Llama 4 chunked attention
     "llama4_text": (EXACT, ""),
     # 3. model code reading the mask itself
@@ -47,8 +48,9 @@ FAST = {
     # 7. attention sinks / softcapping (exact once the kernels implement them)
     "gpt_oss": (EXACT, ""),
     "gemma2": (EXACT, ""),
-    # 8./encoders: bidirectional masks are refused
-    "bert": (REFUSED, "bidirectional"),
+    # encoder families as decoders: BERT exact, RoBERTa's offset positions refused
+    "bert": (EXACT, ""),
+    "roberta": (REFUSED, "padding_idx + 1"),
     # 9. stale is_causal flag (packing refused for its learned positions; generate() must match)
     "bigbird_pegasus": (REFUSED, "forward takes no position_ids"),
 }

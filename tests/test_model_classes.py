@@ -97,6 +97,15 @@ def test_chunked_attention_changes_the_result():
     assert float((chunked - unchunked).abs().max()) > 1e-3
 
 
+def test_bidirectional_masks_are_refused():
+    from transformers.masking_utils import bidirectional_mask_function
+
+    mask = blockdiag_cp_mask(1, 4, 4, mask_function=bidirectional_mask_function)
+    q = torch.randn(1, 2, 4, 8)
+    with pytest.raises(NotImplementedError, match="bidirectional"):
+        blockdiag_cp_attention(torch.nn.Module(), q, q, q, mask)
+
+
 def test_unknown_or_union_mask_functions_are_refused():
     from transformers.masking_utils import and_masks, causal_mask_function, or_masks
 

@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from transformers import PreTrainedModel
 
 __all__ = ["ForwardProbe", "PROBE_ATTR", "UnsupportedModel", "install", "mark_attention_call", "packing_refusal",
            "patch_transformers", "refuse_bypassing_model"]
@@ -97,8 +98,6 @@ def packing_refusal(model: torch.nn.Module) -> str | None:
     model_type = _model_type(model)
     if model_type in KNOWN_PACKING_REFUSALS:
         return f"{model_type}: {KNOWN_PACKING_REFUSALS[model_type]}"
-    from transformers import PreTrainedModel
-
     for name, sub in model.named_modules():
         if isinstance(sub, PreTrainedModel):  # the model classes themselves are named after the architecture
             continue
@@ -245,8 +244,6 @@ def patch_transformers() -> None:
     ``from_config`` with ``attn_implementation="blockdiag_cp"``) and ``set_attn_implementation``.
     Idempotent; models using other implementations are untouched.
     """
-    from transformers import PreTrainedModel
-
     if getattr(PreTrainedModel.post_init, "_blockdiag_cp_wrapped", False):
         return
     original_post_init = PreTrainedModel.post_init
