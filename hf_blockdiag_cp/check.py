@@ -602,6 +602,7 @@ def _cp_rank(rank: int, world: int, port: int, config: Any, docs: list[list[int]
         tensors = [torch.tensor(d) for d in docs]
         batch = _collated(tensors, cp_size=world, cp_rank=rank, group=dist.group.WORLD, pad_token_id=pad)
         shift = batch.pop("_shift_labels")[0]
+        local_index = batch["cp_context"].local_index  # this rank's positions in the row (any placement)
         logits = _forward(model, **batch)[0]
         torch.nn.functional.cross_entropy(logits.float(), shift, ignore_index=-100, reduction="sum").backward()
         grads = {}
@@ -611,8 +612,12 @@ def _cp_rank(rank: int, world: int, port: int, config: Any, docs: list[list[int]
             grads[name] = g
         gathered = [torch.empty_like(logits) for _ in range(world)]
         dist.all_gather(gathered, logits.detach().contiguous())
+        where = [torch.empty_like(local_index) for _ in range(world)]
+        dist.all_gather(where, local_index)
+        full = torch.empty(world * logits.shape[0], logits.shape[1], dtype=logits.dtype)
+        full[torch.cat(where)] = torch.cat(gathered)
         total = sum(len(d) for d in docs)
-        full = torch.cat(gathered)[:total].float()
+        full = full[:total].float()
         # numpy arrays, not tensors: torch would send tensors through shared memory that this process frees on exit.
         payload = {"logits": full.numpy(), "grads": {n: g.detach().numpy() for n, g in grads.items()}}
         queue.put((rank, payload if rank == 0 else {"ok": True}))

@@ -13,7 +13,6 @@ import torch
 from hf_blockdiag_cp import check
 from hf_blockdiag_cp.check import EXACT, FAIL, REFUSED, check_model
 
-SINKS_SOFTCAP = pytest.mark.xfail(strict=False, reason="needs kernels sinks/softcap")
 
 #: model type -> (expected status, a phrase the refusal must contain). One or more per sweep class.
 FAST = {
@@ -56,8 +55,7 @@ FAST = {
 }
 
 
-@pytest.mark.parametrize("model_type", [pytest.param(m, marks=SINKS_SOFTCAP) if m in ("gpt_oss", "gemma2") else m
-                                        for m in FAST])
+@pytest.mark.parametrize("model_type", list(FAST))
 def test_fast_sweep(model_type):
     expected, phrase = FAST[model_type]
     # A refusal shows on the first packed variant; the exact ones run every variant and generate().

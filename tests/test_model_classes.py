@@ -188,22 +188,12 @@ def test_mixers_refuse_context_parallel_shards_even_with_one_document():
         ours(ids[:, :-1], cp_context=ctx, use_cache=False)
 
 
-# 7. Logit softcapping and attention sinks (the exact CPU kernels land with the kernels work).
+# 7. Logit softcapping and attention sinks: exact per-document CPU kernels (sdpa_doc's chunked path).
 
-@pytest.mark.xfail(strict=False, reason="needs kernels sinks/softcap")
 @pytest.mark.parametrize("model_type", ["gpt_oss", "gemma2"])
 def test_sinks_and_softcap_models_are_exact(model_type):
     _assert_exact(model_type)
     _assert_exact(model_type, variant="collator")
-
-
-@pytest.mark.parametrize("model_type,cause", [("gpt_oss", "s_aux"), ("gemma2", "softcap")])
-def test_sinks_and_softcap_are_refused_until_implemented(model_type, cause):
-    try:
-        message = _refusal(model_type)
-    except pytest.fail.Exception:  # the kernels implement it now: the exact test above covers it
-        pytest.skip(f"{model_type} is computed now")
-    assert cause in message
 
 
 # 8. Keywords that change attention are refused, bookkeeping keywords are not.

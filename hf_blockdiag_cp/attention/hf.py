@@ -16,7 +16,7 @@ sequence per row; with a KV cache the queries are the last ``L`` positions (bott
 what ``generate()`` needs.
 
 What cannot be computed exactly is refused with ``NotImplementedError`` naming the cause, never
-dropped: attention keywords this function does not implement (``s_aux``, ``position_bias``, sparse
+dropped: attention keywords this function does not implement (``position_bias``, sparse
 ``indices``, ...), mask patterns other than the above, bidirectional masks, model code that uses the
 mask itself; model-level refusals (other token mixers, absolute positions, attention that bypasses
 ``AttentionInterface``) live in :mod:`.guards`.
@@ -56,7 +56,7 @@ ATTN_IMPLEMENTATION = "blockdiag_cp"
 #: Keywords the attention function reads.
 _USED_KEYWORDS = frozenset({
     "cp_context", "cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "position_ids", "is_causal",
-    "output_attentions",
+    "output_attentions", "s_aux",
 })
 #: Keywords that reach attention functions but do not change what attention computes (transformers'
 #: sdpa and flash integrations ignore them too): model/cache/output bookkeeping, loss inputs that the
@@ -68,8 +68,7 @@ _IGNORED_KEYWORDS = frozenset({
 })
 #: What the refused keywords mean, for the error message.
 _KEYWORD_MEANING = {
-    "s_aux": "attention sinks",
-    "sinks": "attention sinks",
+    "sinks": "attention sinks in the inkling2 convention",
     "position_bias": "an additive position bias",
     "indices": "sparse attention indices (a DSA-style indexer)",
     "block_indices": "sparse block indices",
@@ -379,7 +378,10 @@ def _attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, atte
     """The body of :func:`blockdiag_cp_attention` on same-dtype inputs: ``[B*L, Hq, Dv]`` (or ``[B, L, Hq, Dv]``)."""
     ctx: BlockDiagCPContext | None = kwargs.get("cp_context")
     batch, local_len = query.shape[0], query.shape[2]
+    sinks = kwargs.get("s_aux")  # gpt-oss attention sinks: [Hq] logits joining every softmax denominator
     if isinstance(attention_mask, torch.Tensor):
+        if sinks is not None:
+            raise NotImplementedError("blockdiag_cp cannot apply attention sinks (s_aux) with a user-supplied dense mask")
         return _dense_user_mask(query, key, value, attention_mask, dropout, scale, softcap)
     mask = attention_mask if isinstance(attention_mask, BlockDiagMask) else None
     chunk_size = mask.spec.chunk_size if mask is not None else None
@@ -395,7 +397,7 @@ def _attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, atte
                 raise NotImplementedError(f"{mask.model_type}: chunked attention (attention_chunk_size={chunk_size}) "
                                           f"under context parallelism (cp_size={ctx.cp_size}) is not implemented")
             return cp_attention(ctx, query, key, value, dropout_p=dropout, scale=scale, window=sliding_window,
-                                softcap=softcap)
+                                softcap=softcap, sinks=sinks)
         check_qkv(query, key, value)
         if chunk_size is None:
             plan = ctx.to(query.device).plan
@@ -405,10 +407,10 @@ def _attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, atte
         check_qkv(query, key, value)
         config = BlockDiagCPConfig()
         plan = _plan_from_kwargs(query, key, mask, kwargs, config)
-    spec = kernel_spec(query, key, value, dropout_p=dropout, window=sliding_window, softcap=softcap)
+    spec = kernel_spec(query, key, value, dropout_p=dropout, window=sliding_window, softcap=softcap, sinks=sinks)
     backend = resolve_backend(config, spec)
     return attend_flat(flat_rows(query), flat_rows(key), flat_rows(value), plan, backend, scale=scale,
-                       dropout_p=dropout, window=sliding_window, softcap=softcap, config=config)
+                       dropout_p=dropout, window=sliding_window, softcap=softcap, sinks=sinks, config=config)
 
 
 def _chunked_context_plan(ctx: BlockDiagCPContext, mask: BlockDiagMask, device: torch.device) -> VarlenPlan:
