@@ -56,21 +56,25 @@ FAST = {
 }
 
 
+GENERATE = {"llama", "gpt2", "qwen2", "llama4_text", "whisper", "ctrl", "bert"}
+
+
 @pytest.mark.parametrize("model_type", [pytest.param(m, marks=SINKS_SOFTCAP) if m in ("gpt_oss", "gemma2") else m
                                         for m in FAST])
 def test_fast_sweep(model_type):
     expected, phrase = FAST[model_type]
-    # A refusal shows on the first packed variant; the exact ones run every variant and generate().
+    # To stay fast: a refusal shows on the first packed variant; exact ones run packed position_ids and
+    # PackingCollator batches, generate() for a subset (the slow full sweep runs everything everywhere).
     refused = expected == REFUSED
-    result = check_model(model_type, generate=not refused,
-                         variants=("position_ids",) if refused else ("position_ids", "cu_seq_lens", "collator"))
+    result = check_model(model_type, generate=model_type in GENERATE,
+                         variants=("position_ids",) if refused else ("position_ids", "collator"))
     assert result.status == expected, result.line() + "\n" + json.dumps(result.variants, indent=1)
     if expected == REFUSED:
         assert phrase in result.reason and model_type in result.reason, result.reason
     else:
         assert result.logits_err <= check.LOGITS_ATOL and result.grad_err <= check.GRAD_RTOL
         assert all(v.startswith("ok") for v in result.variants.values()), result.variants
-        assert result.generate == "equal"
+        assert result.generate == ("equal" if model_type in GENERATE else "not run")
 
 
 def test_bigbird_pegasus_generate_is_not_falsely_refused():
