@@ -736,9 +736,10 @@ def markdown_table(results: Sequence[CheckResult], *, title: str, seconds: float
         lines += ["## Context parallelism", "",
                   f"At CP = 2 (two gloo ranks, `PackingCollator` batches with the K/V exchange) {ok} of the "
                   f"{len(cp2)} sampled exact architectures are exact:", "",
-                  "| model type | result | logits | grads |", "|---|---|---|---|"]
+                  "| model type | result | logits | grads | detail |", "|---|---|---|---|---|"]
         for r in cp2:
-            lines.append(f"| `{r.model}` | {r.status} | {_num(r.logits_err)} | {_num(r.grad_err)} |")
+            detail = r.reason.replace("|", "\\|")[:300]
+            lines.append(f"| `{r.model}` | {r.status} | {_num(r.logits_err)} | {_num(r.grad_err)} | {detail} |")
         lines.append("")
     lines += ["## Every architecture", "", "| model type | result | logits | grads | generate | detail |",
               "|---|---|---|---|---|---|"]
