@@ -6,6 +6,7 @@ sweep over every causal LM of transformers and the CP = 2 sample are marked slow
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 import torch
@@ -55,20 +56,24 @@ FAST = {
 }
 
 
+GENERATE = {"llama", "gpt2", "qwen2", "llama4_text", "whisper", "ctrl", "bert"}
+
+
 @pytest.mark.parametrize("model_type", list(FAST))
 def test_fast_sweep(model_type):
     expected, phrase = FAST[model_type]
-    # A refusal shows on the first packed variant; the exact ones run every variant and generate().
+    # To stay fast: a refusal shows on the first packed variant; exact ones run packed position_ids and
+    # PackingCollator batches, generate() for a subset (the slow full sweep runs everything everywhere).
     refused = expected == REFUSED
-    result = check_model(model_type, generate=not refused,
-                         variants=("position_ids",) if refused else ("position_ids", "cu_seq_lens", "collator"))
+    result = check_model(model_type, generate=model_type in GENERATE,
+                         variants=("position_ids",) if refused else ("position_ids", "collator"))
     assert result.status == expected, result.line() + "\n" + json.dumps(result.variants, indent=1)
     if expected == REFUSED:
         assert phrase in result.reason and model_type in result.reason, result.reason
     else:
         assert result.logits_err <= check.LOGITS_ATOL and result.grad_err <= check.GRAD_RTOL
         assert all(v.startswith("ok") for v in result.variants.values()), result.variants
-        assert result.generate == "equal"
+        assert result.generate == ("equal" if model_type in GENERATE else "not run")
 
 
 def test_bigbird_pegasus_generate_is_not_falsely_refused():
@@ -125,9 +130,12 @@ def test_cp2_sample(model_type):
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(7200)
+@pytest.mark.skipif(not os.environ.get("HF_BLOCKDIAG_CP_FULL_SWEEP"),
+                    reason="set HF_BLOCKDIAG_CP_FULL_SWEEP=1 to run it (20-45 min on 2 CPU cores; "
+                           "`python -m hf_blockdiag_cp.check --all` writes docs/models.md from the same sweep)")
 def test_full_sweep_has_no_fail(tmp_path):
-    """Every causal LM of the installed transformers is exact, refused with a reason, or not applicable
-    (about an hour on 2 CPU cores)."""
+    """Every causal LM of the installed transformers is exact, refused with a reason, or not applicable."""
     results = check.sweep(check.causal_lm_types(), cp_size=1, timeout=300, jsonl=tmp_path / "sweep.jsonl")
     failures = [r.line() for r in results if r.status == FAIL]
     assert not failures, "\n".join(failures)

@@ -138,8 +138,8 @@ def test_unsupported_features_raise_instead_of_computing_something_else():
     module = torch.nn.Module()
     with pytest.raises(NotImplementedError, match="causal"):
         blockdiag_cp_attention(module, q, k, v, None, is_causal=False)
-    with pytest.raises(NotImplementedError, match="sinks"):
-        blockdiag_cp_attention(module, q, k, v, None, s_aux=torch.zeros(4))
+    with pytest.raises(NotImplementedError, match="position bias"):
+        blockdiag_cp_attention(module, q, k, v, None, position_bias=torch.zeros(1, 4, 8, 8))
     q.requires_grad_()
     with pytest.raises(BackendUnavailable, match="softcap"):  # CPU softcap exists, but not with dropout
         blockdiag_cp_attention(module, q, k, v, None, softcap=30.0, dropout=0.1)

@@ -8,7 +8,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-import hf_blockdiag_cp
 from hf_blockdiag_cp import BlockDiagCPContext
 from hf_blockdiag_cp.attention.hf import blockdiag_cp_attention, blockdiag_cp_mask
 from hf_blockdiag_cp.attention.mask_spec import describe_mask_function
@@ -228,7 +227,17 @@ def test_bigbird_pegasus_decoder_is_not_falsely_refused():
     assert _check_generate(stock, ours, tiny_config("bigbird_pegasus"), seed=0) == "equal"
 
 
-def test_packed_llama_still_exact_through_every_entry():
-    for variant in ("position_ids", "cu_seq_lens", "collator"):
-        _assert_exact("llama", variant=variant)
-    assert hf_blockdiag_cp.ATTN_IMPLEMENTATION == "blockdiag_cp"
+def test_packed_keywords_without_position_ids():
+    """cu_seq_lens alone: exact for rotary positions (relative), refused for absolute position embeddings."""
+    def cu_only(docs):
+        inputs = packed_inputs(docs, "cu_seq_lens")
+        del inputs["position_ids"]
+        return inputs
+
+    stock, ours, docs = _pair("llama")
+    ref_logits, _ = reference_run(stock, docs)
+    logits, _ = packed_run(ours, docs, cu_only(docs))
+    torch.testing.assert_close(logits, ref_logits, atol=ATOL, rtol=0)
+    _, ours, docs = _pair("gpt2")
+    with pytest.raises(NotImplementedError, match="absolute position embeddings but this packed batch has no"):
+        packed_run(ours, docs, cu_only(docs))

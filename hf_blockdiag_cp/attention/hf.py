@@ -24,6 +24,7 @@ mask itself; model-level refusals (other token mixers, absolute positions, atten
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 from dataclasses import dataclass, field
 from typing import Any
@@ -394,8 +395,8 @@ def _attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, atte
         config = ctx.config
         if ctx.cp_size > 1:
             if chunk_size is not None:
-                raise NotImplementedError(f"{mask.model_type}: chunked attention (attention_chunk_size={chunk_size}) "
-                                          f"under context parallelism (cp_size={ctx.cp_size}) is not implemented")
+                # Chunks only remove keys: the same exchange serves them, with a finer plan over its buffer.
+                ctx = dataclasses.replace(ctx, plan=_chunked_context_plan(ctx, mask, query.device))
             return cp_attention(ctx, query, key, value, dropout_p=dropout, scale=scale, window=sliding_window,
                                 softcap=softcap, sinks=sinks)
         check_qkv(query, key, value)
@@ -414,12 +415,14 @@ def _attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, atte
 
 
 def _chunked_context_plan(ctx: BlockDiagCPContext, mask: BlockDiagMask, device: torch.device) -> VarlenPlan:
-    """A one-rank context's plan with every document cut into chunks (built once per forward, on the mask)."""
+    """This rank's plan with every document cut into chunks, over the same K/V buffer as the context's
+    plan (built once per forward, on the mask; on ``device``, so the context's device cache is not used)."""
     cache_key = (-1, ctx.batch_size, ctx.local_len)
     if cache_key not in mask.plans:
         doc_ids = _chunked(ctx.doc_ids.to(torch.int64), mask.spec, packed=True, first_key=0)
-        mask.plans[cache_key] = build_varlen_plan(doc_ids, local_len=ctx.local_len,
-                                                  validate=ctx.config.validate).to(device)
+        kv_ranges = ctx.exchange.kv_ranges[ctx.cp_rank] if ctx.exchange is not None else None
+        mask.plans[cache_key] = build_varlen_plan(doc_ids, local_len=ctx.local_len, row_offset=ctx.row_offset,
+                                                  kv_ranges=kv_ranges, validate=ctx.config.validate).to(device)
     return mask.plans[cache_key]
 
 
