@@ -420,9 +420,13 @@ def _chunked_context_plan(ctx: BlockDiagCPContext, mask: BlockDiagMask, device: 
     cache_key = (-1, ctx.batch_size, ctx.local_len)
     if cache_key not in mask.plans:
         doc_ids = _chunked(ctx.doc_ids.to(torch.int64), mask.spec, packed=True, first_key=0)
-        kv_ranges = ctx.exchange.kv_ranges[ctx.cp_rank] if ctx.exchange is not None else None
-        mask.plans[cache_key] = build_varlen_plan(doc_ids, local_len=ctx.local_len, row_offset=ctx.row_offset,
-                                                  kv_ranges=kv_ranges, validate=ctx.config.validate).to(device)
+        if ctx.exchange is None:
+            plan = build_varlen_plan(doc_ids, local_len=ctx.local_len, validate=ctx.config.validate)
+        else:  # the rank's placement, keys looked up through the exchanged buffer's positions
+            plan = build_varlen_plan(doc_ids, local_len=ctx.local_len, pieces=ctx.placement.pieces(ctx.cp_rank),
+                                     kv_positions=ctx.exchange.for_rank(ctx.cp_rank).buffer_positions,
+                                     validate=ctx.config.validate)
+        mask.plans[cache_key] = plan.to(device)
     return mask.plans[cache_key]
 
 
