@@ -24,7 +24,6 @@ import tempfile
 from collections import defaultdict
 
 import torch
-import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
@@ -34,15 +33,12 @@ from common import (  # noqa: E402
     apply_lora,
     byte_chat_tokenizer,
     full_row,
-    gather_floats,
-    peak_memory_bytes,
     read_corpus,
     refuse_accelerate_cp,
     report,
     resolve_cp_size,
 )
-from hf_blockdiag_cp.attention.cp import comm_stats  # noqa: E402
-from trainer_packed_cp import StepProbe  # noqa: E402
+from trainer_packed_cp import StepProbe, measure_run  # noqa: E402
 
 logger = logging.getLogger("sft_trl_cp")
 
@@ -209,23 +205,9 @@ def main(argv: list[str] | None = None) -> dict:
     eval_loss = trainer.evaluate()["eval_loss"] if evaluation is not None else None  # before any update
     trainer.train()
 
-    losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
-    tokens = torch.tensor([float(trainer.step_tokens[s]) for s in range(len(probe.step_times))], dtype=torch.float64)
-    if world > 1:  # every CP rank of a DP group counted the same full rows
-        dist.all_reduce(tokens)
-        tokens /= coords["cp_size"]
-    timed = slice(1, None) if len(probe.step_times) > 1 else slice(None)  # the first step warms up
-    tokens_per_s = tokens[timed].sum().item() / sum(probe.step_times[timed])
-    peaks = gather_floats(peak_memory_bytes(), world)
-    stats = comm_stats(trainer.last_context)
-    kvs = gather_floats(stats.sent_bytes + stats.received_bytes, world)
+    losses, tokens_per_s, peaks, kvs, shards = measure_run(trainer, probe, world, coords, args.check_parity)
     parity = None
     if args.check_parity:
-        shards = [(trainer.first_step_shards, coords["dp_rank"])]
-        if world > 1:  # the rows the Trainer really consumed in step 1, as every rank's shards
-            gathered = [None] * world
-            dist.all_gather_object(gathered, shards[0])
-            shards = gathered
         if main_process:
             parity = check_parity(reference.to(device), shards, trainer, losses[0], probe.first_grads, eval_loss,
                                   coords["dp_size"], args.max_grad_norm, device)

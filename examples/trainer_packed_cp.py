@@ -121,6 +121,29 @@ def reference_step(ref_model, rows: dict[str, torch.Tensor], config, max_grad_no
     return out.loss.item(), {n: p.grad for n, p in ref_model.named_parameters() if p.grad is not None}
 
 
+def measure_run(trainer, probe, world: int, coords: dict, keep_shards: bool) -> tuple:
+    """After ``trainer.train()``: ``(losses, tokens/s, peak memory per rank, K/V bytes per rank, first-step
+    shards of every rank)`` (collectives when ``world > 1``; shards ``None`` unless ``keep_shards``)."""
+    losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
+    tokens = torch.tensor([float(trainer.step_tokens[s]) for s in range(len(probe.step_times))], dtype=torch.float64)
+    if world > 1:  # every CP rank of a DP group counted the same full rows
+        dist.all_reduce(tokens)
+        tokens /= coords["cp_size"]
+    timed = slice(1, None) if len(probe.step_times) > 1 else slice(None)  # the first step warms up
+    tokens_per_s = tokens[timed].sum().item() / sum(probe.step_times[timed])
+    peaks = gather_floats(peak_memory_bytes(), world)
+    stats = comm_stats(trainer.last_context)
+    kvs = gather_floats(stats.sent_bytes + stats.received_bytes, world)
+    shards = None
+    if keep_shards:
+        shards = [(trainer.first_step_shards, coords["dp_rank"])]
+        if world > 1:  # the rows the Trainer really consumed in step 1, as every rank's shards
+            gathered = [None] * world
+            dist.all_gather_object(gathered, shards[0])
+            shards = gathered
+    return losses, tokens_per_s, peaks, kvs, shards
+
+
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
     refuse_accelerate_cp()  # before TrainingArguments starts accelerate
@@ -167,23 +190,9 @@ def main(argv: list[str] | None = None) -> dict:
                                 callbacks=[probe], mesh=mesh, keep_first_step=args.check_parity)
     trainer.train()
 
-    losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
-    tokens = torch.tensor([float(trainer.step_tokens[s]) for s in range(len(probe.step_times))], dtype=torch.float64)
-    if world > 1:  # every CP rank of a DP group counted the same full rows
-        dist.all_reduce(tokens)
-        tokens /= coords["cp_size"]
-    timed = slice(1, None) if len(probe.step_times) > 1 else slice(None)  # the first step warms up
-    tokens_per_s = tokens[timed].sum().item() / sum(probe.step_times[timed])
-    peaks = gather_floats(peak_memory_bytes(), world)
-    stats = comm_stats(trainer.last_context)
-    kvs = gather_floats(stats.sent_bytes + stats.received_bytes, world)
+    losses, tokens_per_s, peaks, kvs, shards = measure_run(trainer, probe, world, coords, args.check_parity)
     parity = None
     if args.check_parity:
-        shards = [(trainer.first_step_shards, coords["dp_rank"])]
-        if world > 1:  # the rows the Trainer really consumed in step 1, as every rank's shards
-            gathered = [None] * world
-            dist.all_gather_object(gathered, shards[0])
-            shards = gathered
         if main_process:
             ref_loss, ref_grads = reference_step(ref_model.to(device), first_step_rows(shards), config,
                                                  args.max_grad_norm, device)
