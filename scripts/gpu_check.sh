@@ -6,7 +6,7 @@
 # Needs Python with torch (CUDA build) and transformers; flash-attn / TransformerEngine are optional
 # (their tests skip with the reason). Steps, each under its own time limit:
 #   1. environment: nvidia-smi, Python / torch / CUDA / transformers / flash-attn / TE versions;
-#   2. the GPU kernel tests (tests/test_gpu_kernels.py: every backend vs the float64 reference,
+#   2. the GPU kernel tests (tests/kernels/test_gpu_kernels.py: every backend vs the float64 reference,
 #      forward and backward) with pytest, or with the file's own runner when pytest is missing;
 #   3. a short GPU kernel benchmark (benchmarks/bench_kernels.py --device cuda --quick).
 # Exit status: 0 when the tests pass (skips allowed), 1 otherwise; the benchmark never fails the run.
@@ -47,12 +47,12 @@ if ! "$PY" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1
     exit 1
 fi
 if "$PY" -c "import pytest" 2>/dev/null; then
-    timeout 200 "$PY" -m pytest -m gpu -q -rs -p no:cacheprovider tests/test_gpu_kernels.py 2>&1 \
+    timeout 200 "$PY" -m pytest -m gpu -q -rs -p no:cacheprovider tests/kernels/test_gpu_kernels.py 2>&1 \
         | tee -a "$LOG_DIR/gpu_tests.txt"
     tests_rc=${PIPESTATUS[0]}
 else
-    echo "pytest is not installed: running tests/test_gpu_kernels.py directly" | tee -a "$LOG_DIR/gpu_tests.txt"
-    timeout 200 "$PY" tests/test_gpu_kernels.py 2>&1 | tee -a "$LOG_DIR/gpu_tests.txt"
+    echo "pytest is not installed: running tests/kernels/test_gpu_kernels.py directly" | tee -a "$LOG_DIR/gpu_tests.txt"
+    timeout 200 "$PY" tests/kernels/test_gpu_kernels.py 2>&1 | tee -a "$LOG_DIR/gpu_tests.txt"
     tests_rc=${PIPESTATUS[0]}
 fi
 [ "$tests_rc" = 124 ] && echo "GPU tests TIMED OUT after 200 s" | tee -a "$LOG_DIR/gpu_tests.txt"

@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from tests.distributed import run_ranks
+from tests.launch import run_ranks
 
 pytestmark = pytest.mark.distributed
 

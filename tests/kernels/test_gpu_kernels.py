@@ -3,7 +3,7 @@ against the float64 brute-force :func:`tests.reference.dense_reference`, forward
 
 Marked ``gpu`` (``tests/conftest.py`` skips them without CUDA); a case whose library is absent, or
 whose dtype the backend does not support, skips with the backend's own ``unavailable_reason``.
-Without pytest (a bare GPU box), ``python tests/test_gpu_kernels.py`` runs the same cases.
+Without pytest (a bare GPU box), ``python tests/kernels/test_gpu_kernels.py`` runs the same cases.
 
 Tolerances. The reference runs on the very bf16/fp32 inputs the kernel gets, upcast to float64, so
 the only error left is the kernel's arithmetic. Errors are measured relative to the size of the
@@ -26,7 +26,7 @@ import torch
 
 try:
     import pytest
-except ModuleNotFoundError:  # ``python tests/test_gpu_kernels.py`` on a machine without pytest
+except ModuleNotFoundError:  # ``python tests/kernels/test_gpu_kernels.py`` on a machine without pytest
     pytest = None
 
 if __package__ in (None, ""):  # run as a script from the repository root

@@ -84,7 +84,7 @@ def test_every_placement_is_served_exactly(data, cp_size, kind, window, strategy
 
 
 def _bench():
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_balance.py"
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_balance.py"
     spec = importlib.util.spec_from_file_location("bench_balance", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)

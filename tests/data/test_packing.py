@@ -21,7 +21,7 @@ FAST = settings(max_examples=60, deadline=None, suppress_health_check=[HealthChe
 
 def _load_bench():
     """benchmarks/bench_packing.py, home of the greedy baselines best-fit-decreasing is compared with."""
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_packing.py"
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_packing.py"
     spec = importlib.util.spec_from_file_location("bench_packing", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import hf_blockdiag_cp as bd
-from tests.distributed import run_ranks
+from tests.launch import run_ranks
 from tests.reference import tiny_model
 
 

@@ -1,6 +1,6 @@
 """Issue 13 regressions: position ids under CP (item 3), Dv != D attention at CP=2 (item 4), and the
 smaller items 5 (finite timeouts, all-ignored labels, ids outside the vocabulary), plus the process-group
-timeouts of item 2 (the fault matrix itself is tests/test_faults.py)."""
+timeouts of item 2 (the fault matrix itself is tests/distributed/test_faults.py)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import torch
 
 import hf_blockdiag_cp as bd
 from hf_blockdiag_cp.distributed.groups import group_options
-from tests.distributed import run_ranks
+from tests.launch import run_ranks
 from tests.reference import tiny_model
 
 # ---- item 3: position ids are part of a CP step -------------------------------------------------------

@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 import yaml
-from tests.distributed import launch_example
+from tests.launch import launch_example
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 CONFIGS = sorted(glob.glob(str(ROOT / "configs" / "accelerate" / "*.yaml")))
 
 

@@ -18,12 +18,12 @@ import sys
 from pathlib import Path
 
 import pytest
-from tests.distributed import launch_example
+from tests.launch import launch_example
 
 pytest.importorskip("trl")
 pytest.importorskip("datasets")
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 SEQ_LEN = 512
 
 

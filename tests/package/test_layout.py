@@ -10,7 +10,7 @@ from collections import defaultdict
 from pathlib import Path
 
 
-PACKAGE = Path(__file__).resolve().parents[1] / "hf_blockdiag_cp"
+PACKAGE = Path(__file__).resolve().parents[2] / "hf_blockdiag_cp"
 
 
 def _unit(module: str) -> str:

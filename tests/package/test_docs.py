@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 README_MAX_LINES = 250
 QUICKSTART_FILES = ("configs/accelerate/cpu_cp2.yaml", "examples/train_packed_cp.py", "scripts/setup.sh")
 SOURCE_DIRS = ("hf_blockdiag_cp", "examples", "benchmarks")

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import hf_blockdiag_cp as bd
-from tests.distributed import run_ranks
+from tests.launch import run_ranks
 from tests.reference import tiny_model
 
 LENGTHS = [13, 29, 7, 19]  # 68 tokens, padded to 72 by the collator
@@ -134,7 +134,7 @@ def test_trainer_with_bf16_matches_fp32(tmp_path):
 def test_example_with_mixed_precision_bf16_keeps_parity(tmp_path):
     import json
 
-    from tests.distributed import launch_example
+    from tests.launch import launch_example
 
     summary = tmp_path / "summary.json"
     proc = launch_example("train_packed_cp.py", "--cp-size", "2", "--seq-len", "512", "--steps", "2",

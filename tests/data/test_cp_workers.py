@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.distributed import run_ranks
+from tests.launch import run_ranks
 
 pytestmark = pytest.mark.distributed
 

@@ -18,9 +18,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.distributed import Launched, launch_example, run_ranks
+from tests.launch import Launched, launch_example, run_ranks
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 CPU_CONFIG = ROOT / "configs" / "accelerate" / "cpu_cp2.yaml"
 
 

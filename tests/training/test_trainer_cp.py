@@ -16,11 +16,11 @@ from pathlib import Path
 import pytest
 from transformers import TrainerCallback
 
-from tests.distributed import launch_example, run_ranks
+from tests.launch import launch_example, run_ranks
 
 pytestmark = pytest.mark.distributed
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 SEQ_LEN = 48
 # Four documents per micro-batch (each group fits one row of SEQ_LEN), two micro-batches per step.
 DOC_LENGTHS = [9, 14, 1, 20, 30, 5, 11, 2]

@@ -8,11 +8,11 @@ import json
 from pathlib import Path
 
 import pytest
-from tests.distributed import launch_example
+from tests.launch import launch_example
 
 pytest.importorskip("peft")
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.distributed
