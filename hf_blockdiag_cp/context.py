@@ -2,9 +2,11 @@
 
 The collator builds one :class:`BlockDiagCPContext` per rank and step; ``model(**batch)`` carries it
 as the ``cp_context`` keyword to every attention layer (also through gradient-checkpoint recompute
-and the HF ``Trainer``). Layers only read it: its device copy, the per-step rank agreement and the
-rank's exchange tables are cached inside it (its :class:`StepState`), so the first layer pays for
-them and every later layer reuses them.
+and the HF ``Trainer``). It is frozen data: layers only read it, and it pickles (DataLoader workers)
+to the same bytes before and after a step. What the layers derive from it during the step (device
+plans, the rank agreement, the rank's exchange, kernel schedules, byte counters) lives in the
+attention package's :class:`~hf_blockdiag_cp.attention.runtime.StepRuntime`, shared by a context and
+its device copies through one attribute, :attr:`BlockDiagCPContext.origin`.
 """
 
 from __future__ import annotations
@@ -12,41 +14,20 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 
 from ._validate import check_int
 from .config import BlockDiagCPConfig
-from .distributed.exchange import CommStats, RankExchange
 from .distributed.groups import GroupRef, group_to_ref, ref_to_group
-from .kernels.base import KernelSpec
 from .planning import PlanError, VarlenPlan, as_doc_ids, build_varlen_plan
 from .planning.exchange import ExchangePlan, plan_exchange
 from .planning.placement import Placement, make_placement
 from .planning.fingerprint import fingerprint
 
-__all__ = ["BlockDiagCPContext", "StepState"]
-
-
-@dataclass(eq=False)
-class StepState:
-    """What the layers of one step derive from its context once and then reuse (not data).
-
-    Attributes:
-        moved: the context's copy per device (:meth:`BlockDiagCPContext.to`).
-        agreed_backends: backends every CP rank can run (the step's rank agreement), once known.
-        backends: the backend chosen per kernel spec in this step.
-        exchanges: this rank's device-ready exchange per device and window (``None``: nothing moves).
-        comm: bytes moved by this step's K/V exchanges.
-    """
-
-    moved: dict[torch.device, BlockDiagCPContext] = field(default_factory=dict)
-    agreed_backends: frozenset[str] | None = None
-    backends: dict[KernelSpec, str] = field(default_factory=dict)
-    exchanges: dict[tuple[torch.device, int | None], RankExchange | None] = field(default_factory=dict)
-    comm: CommStats = field(default_factory=CommStats)
+__all__ = ["BlockDiagCPContext"]
 
 
 @dataclass(frozen=True, eq=False)
@@ -73,7 +54,11 @@ class BlockDiagCPContext:
         position_ids: ``[B, S]`` int64 CPU position ids of the full rows when known (the collators
             give them), else ``None``; :attr:`local_position_ids` is this rank's share, which
             :func:`~hf_blockdiag_cp.guard_model` supplies to a forward that lacks ``position_ids``.
-        state: the :class:`StepState` owned by this context (shared by its device copies).
+
+    One attribute is not a field (not compared, not pickled, not carried by ``dataclasses.replace``):
+    ``origin``, the context a device copy was made from by :meth:`to` (``None`` on the context the
+    collator built). The attention layers key the step's runtime by ``origin or self``, so a context and
+    its device copies share one (:func:`hf_blockdiag_cp.attention.runtime.step_runtime`).
     """
 
     doc_ids: torch.Tensor
@@ -91,7 +76,11 @@ class BlockDiagCPContext:
     window_plans: dict[int, tuple[VarlenPlan, ExchangePlan]] = field(default_factory=dict)
     position_ids: torch.Tensor | None = None
     plan_fingerprint: int = 0
-    state: StepState = field(default_factory=StepState, repr=False, compare=False)
+    if TYPE_CHECKING:  # set by __post_init__ / to(), not a dataclass field
+        origin: BlockDiagCPContext | None
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "origin", None)
 
     @classmethod
     def build(cls, doc_ids: torch.Tensor, *, cp_rank: int = 0, cp_size: int = 1, group: Any = None,
@@ -176,17 +165,16 @@ class BlockDiagCPContext:
             self.plan, self.exchange)
 
     def __getstate__(self) -> dict[str, Any]:
-        # Batches come back from DataLoader workers pickled: send the group by name, not the
-        # per-step cache (device copies, agreement) which belongs to the process that filled it.
+        # Batches come back from DataLoader workers pickled: the fields only, the group by name.
         state = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
         state["group"] = group_to_ref(self.group)
-        state["state"] = StepState()
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         state = {**state, "group": ref_to_group(state["group"])}
         for name, value in state.items():
             object.__setattr__(self, name, value)
+        self.__post_init__()
 
     @property
     def batch_size(self) -> int:
@@ -204,18 +192,20 @@ class BlockDiagCPContext:
         return self.position_ids[:, self.local_index]
 
     def to(self, device: torch.device | str, non_blocking: bool = True) -> BlockDiagCPContext:
-        """This context with its few small tensors on ``device``; the copy is made once and cached
-        (``non_blocking`` is accepted for ``accelerate.utils.send_to_device``; copies never block)."""
+        """This context with its plans' few small tensors on ``device`` (``self`` when they are there already).
+
+        For ``accelerate.utils.send_to_device`` (hence ``non_blocking``), once per batch: each call makes
+        a new copy, whose :attr:`origin` is this context's origin. Attention layers do not call it; they
+        take the step's device plans from the runtime, which copies once per device.
+        """
         device = torch.device(device)
         if device.type == "cuda" and device.index is None:
             device = torch.device("cuda", torch.cuda.current_device())
         if self.plan.device == device:
             return self
-        moved = self.state.moved.get(device)
-        if moved is None:
-            window_plans = {w: (plan.to(device), exchange) for w, (plan, exchange) in self.window_plans.items()}
-            moved = self.state.moved[device] = dataclasses.replace(self, plan=self.plan.to(device),
-                                                                   window_plans=window_plans, state=self.state)
+        window_plans = {w: (plan.to(device), exchange) for w, (plan, exchange) in self.window_plans.items()}
+        moved = dataclasses.replace(self, plan=self.plan.to(device), window_plans=window_plans)
+        object.__setattr__(moved, "origin", self if self.origin is None else self.origin)
         return moved
 
     def check_local(self, batch_size: int, local_len: int) -> None:

@@ -14,6 +14,7 @@ import torch
 
 from ..config import BlockDiagCPConfig
 from ..kernels import KernelCall, KernelSpec, available_backends, choose_backend, get_backend
+from ..kernels.base import PlanSchedules
 from ..planning import PlanError, VarlenPlan, as_doc_ids, build_varlen_plan
 
 __all__ = ["attend_flat", "autocast_like_sdpa", "blockdiag_attention", "check_qkv", "flat_rows", "kernel_spec",
@@ -110,7 +111,8 @@ def resolve_backend(config: BlockDiagCPConfig, spec: KernelSpec, *, agreed: froz
 
 def attend_flat(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: VarlenPlan, backend: str, *,
                 scale: float, dropout_p: float = 0.0, window: int | None = None, softcap: float | None = None,
-                sinks: torch.Tensor | None = None, config: BlockDiagCPConfig | None = None) -> torch.Tensor:
+                sinks: torch.Tensor | None = None, config: BlockDiagCPConfig | None = None,
+                schedules: PlanSchedules | None = None) -> torch.Tensor:
     """Block-diagonal attention on flat rows.
 
     Args:
@@ -119,6 +121,7 @@ def attend_flat(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: VarlenP
         plan: a plan on ``q.device`` for exactly these row counts.
         backend: a resolved backend name (not ``"auto"``).
         sinks: ``[Hq]`` attention-sink logits (gpt-oss ``s_aux``): join each softmax denominator.
+        schedules: what kernels derived from ``plan`` in earlier calls (filled here; default: a fresh one).
 
     Returns:
         ``[B*L, Hq, Dv]``; rows of no segment (padding) are zeros.
@@ -144,7 +147,8 @@ def attend_flat(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: VarlenP
         k_packed = k.index_select(0, plan.k_index)
         v_packed = v.index_select(0, plan.k_index)
     call = KernelCall(plan=plan, scale=scale, dropout_p=dropout_p, window=window, softcap=softcap, sinks=sinks,
-                      deterministic=config.deterministic, flash_prefix_guard=config.flash_prefix_guard)
+                      deterministic=config.deterministic, flash_prefix_guard=config.flash_prefix_guard,
+                      schedules=PlanSchedules() if schedules is None else schedules)
     out = get_backend(backend).attention(q_packed, k_packed, v_packed, call)
     if total_q == rows:
         return out if plan.q_index is None else out.new_zeros(rows, num_q_heads, dim_v).index_copy(0, plan.q_index, out)

@@ -1,10 +1,9 @@
 """The CP attention path of one layer: agree (once per step) -> exchange K/V -> kernel.
 
 Called by the registered attention function when ``cp_context.cp_size > 1``. Every decision was
-made on the host when the context was planned; the layer only looks things up in the context's
-:class:`~hf_blockdiag_cp.context.StepState` (device copy, agreed backends, the rank's exchange),
-which the first layer of a step fills and every later layer and activation-checkpoint recompute
-reuses.
+made on the host when the context was planned; the layer only looks things up in the step's
+:class:`~.runtime.StepRuntime` (device plans, agreed backends, the rank's exchange), which the first
+layer of a step fills and every later layer and activation-checkpoint recompute reuses.
 """
 
 from __future__ import annotations
@@ -22,6 +21,7 @@ from ..kernels import KernelSpec, available_backends
 from ..planning import PlanError
 from ..planning.exchange import Strategy
 from .core import attend_flat, check_qkv, flat_rows, kernel_spec, resolve_backend
+from .runtime import DevicePlan, device_plan, plan_key, step_runtime
 
 __all__ = ["CPKernelError", "comm_stats", "cp_attention", "step_backends"]
 
@@ -36,12 +36,12 @@ class CPKernelError(RuntimeError):
 
 def comm_stats(ctx: BlockDiagCPContext) -> CommStats:
     """Bytes this rank moved through K/V exchanges in this context's step so far."""
-    return ctx.state.comm
+    return step_runtime(ctx).comm
 
 
 def step_backends(ctx: BlockDiagCPContext) -> dict[KernelSpec, str]:
     """Backend chosen per kernel spec in this step (filled as layers run)."""
-    return ctx.state.backends
+    return step_runtime(ctx).backends
 
 
 def _timeout(ctx: BlockDiagCPContext) -> datetime.timedelta:
@@ -59,11 +59,12 @@ def _check_group(ctx: BlockDiagCPContext) -> None:
 
 def _rank_exchange(ctx: BlockDiagCPContext, device: torch.device, window: int | None = None) -> RankExchange | None:
     """This rank's device-ready exchange for layers with ``window`` (``None`` when nothing moves),
-    built once per step, device and window."""
-    slot = (device, window)
-    if slot in ctx.state.exchanges:
-        return ctx.state.exchanges[slot]
-    _, plan = ctx.plans_for(window)
+    built once per step, device and planned window."""
+    key = plan_key(ctx, device, window)
+    runtime = step_runtime(ctx)
+    if key in runtime.exchanges:
+        return runtime.exchanges[key]
+    _, plan = ctx.plans_for(key.window)
     ex = None
     if plan is not None and plan.strategy != Strategy.NONE:
         transfer = plan.for_rank(ctx.cp_rank)
@@ -74,9 +75,9 @@ def _rank_exchange(ctx: BlockDiagCPContext, device: torch.device, window: int | 
             send_index=transfer.send_index.to(device),
             timeout=_timeout(ctx),
             group=ctx.group,
-            stats=ctx.state.comm,
+            stats=runtime.comm,
         )
-    ctx.state.exchanges[slot] = ex
+    runtime.exchanges[key] = ex
     return ex
 
 
@@ -86,10 +87,11 @@ def _agreed_backends(ctx: BlockDiagCPContext, spec: KernelSpec, device: torch.de
     Library/device availability is the same for the later layers; what differs per layer (window,
     dropout) is a pure function of the spec, identical on all ranks.
     """
-    if ctx.state.agreed_backends is None:
+    runtime = step_runtime(ctx)
+    if runtime.agreed_backends is None:
         _check_group(ctx)
         config = ctx.config
-        ctx.state.agreed_backends = agree_on_backends(
+        runtime.agreed_backends = agree_on_backends(
             available_backends(spec, config.disabled_backends),
             _BACKEND_BITS,
             data_fingerprint=ctx.data_fingerprint,
@@ -100,11 +102,11 @@ def _agreed_backends(ctx: BlockDiagCPContext, spec: KernelSpec, device: torch.de
             timeout=_timeout(ctx),
             device=device,
         )
-    return ctx.state.agreed_backends
+    return runtime.agreed_backends
 
 
 def _backend(ctx: BlockDiagCPContext, spec: KernelSpec, device: torch.device) -> str:
-    chosen = ctx.state.backends
+    chosen = step_runtime(ctx).backends
     if spec not in chosen:
         agreed = _agreed_backends(ctx, spec, device)
         chosen[spec] = resolve_backend(ctx.config, spec, agreed=agreed, where=" (on every CP rank)")
@@ -113,7 +115,7 @@ def _backend(ctx: BlockDiagCPContext, spec: KernelSpec, device: torch.device) ->
 
 def cp_attention(ctx: BlockDiagCPContext, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *,
                  dropout_p: float, scale: float, window: int | None, softcap: float | None,
-                 sinks: torch.Tensor | None = None) -> torch.Tensor:
+                 sinks: torch.Tensor | None = None, plan: DevicePlan | None = None) -> torch.Tensor:
     """Block-diagonal attention of this rank's local rows over K/V gathered from the CP group.
 
     Args:
@@ -121,6 +123,8 @@ def cp_attention(ctx: BlockDiagCPContext, query: torch.Tensor, key: torch.Tensor
         query: ``[1, Hq, L, D]`` local queries.
         key, value: ``[1, Hkv, L, D]`` / ``[1, Hkv, L, Dv]`` local keys/values (before exchange).
         sinks: ``[Hq]`` attention-sink logits, the same on every rank (not exchanged).
+        plan: a finer plan on ``query.device`` over the buffer of the full (window ``None``) exchange, instead
+            of the context's plan for ``window`` (chunked attention; the kernel still applies ``window``).
 
     Returns:
         ``[L, Hq, Dv]`` (padding rows are zeros).
@@ -130,13 +134,14 @@ def cp_attention(ctx: BlockDiagCPContext, query: torch.Tensor, key: torch.Tensor
     if query.shape[0] != 1 or key.shape[2] != local_len:
         raise PlanError(f"CP attention expects one packed row per micro-batch and local keys: got query "
                         f"{tuple(query.shape)}, key {tuple(key.shape)}")
-    ctx = ctx.to(query.device)
-    plan, _ = ctx.plans_for(window)
+    exchange_window = window if plan is None else None
+    if plan is None:
+        plan = device_plan(ctx, query.device, window)
     spec = kernel_spec(query, key, value, dropout_p=dropout_p, window=window, softcap=softcap, sinks=sinks)
     backend = _backend(ctx, spec, query.device)
     num_kv_heads, head_dim, value_dim = key.shape[1], key.shape[3], value.shape[3]
     k_flat, v_flat = flat_rows(key), flat_rows(value)
-    ex = _rank_exchange(ctx, query.device, window)
+    ex = _rank_exchange(ctx, query.device, exchange_window)
     if ex is not None:
         # One fused buffer per layer: one collective forward, one backward (see distributed/exchange.py).
         kv = torch.cat([k_flat.reshape(local_len, -1), v_flat.reshape(local_len, -1)], dim=1)
@@ -145,8 +150,8 @@ def cp_attention(ctx: BlockDiagCPContext, query: torch.Tensor, key: torch.Tensor
         k_flat = kv[:, : num_kv_heads * head_dim].view(rows, num_kv_heads, head_dim)
         v_flat = kv[:, num_kv_heads * head_dim:].view(rows, num_kv_heads, value_dim)
     try:
-        return attend_flat(flat_rows(query), k_flat, v_flat, plan, backend, scale=scale, dropout_p=dropout_p,
-                           window=window, softcap=softcap, sinks=sinks, config=ctx.config)
+        return attend_flat(flat_rows(query), k_flat, v_flat, plan.plan, backend, scale=scale, dropout_p=dropout_p,
+                           window=window, softcap=softcap, sinks=sinks, config=ctx.config, schedules=plan.schedules)
     except Exception as err:
         raise CPKernelError(f"CP rank {ctx.cp_rank}/{ctx.cp_size}: the {backend!r} attention kernel failed "
                             f"({type(err).__name__}: {err}); peer ranks will stop at their next collective") from err

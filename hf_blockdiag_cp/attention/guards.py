@@ -32,6 +32,8 @@ from typing import Any
 import torch
 from transformers import PreTrainedModel
 
+from ..planning.documents import run_boundaries
+
 __all__ = ["ForwardProbe", "PROBE_ATTR", "UnsupportedModel", "install", "mark_attention_call", "packing_refusal",
            "patch_transformers", "refuse_bypassing_model"]
 
@@ -187,9 +189,7 @@ def _packing(named: dict[str, Any]) -> str | None:
             return f"a context-parallel shard (cp_size={ctx.cp_size})"
         ids = getattr(ctx, "doc_ids", None)
         if isinstance(ids, torch.Tensor) and ids.numel():
-            starts = torch.ones_like(ids, dtype=torch.bool)
-            starts[:, 1:] = ids[:, 1:] != ids[:, :-1]
-            if int((starts & (ids != 0)).sum(dim=1).max()) > 1:
+            if int((run_boundaries(ids) & (ids != 0)).sum(dim=1).max()) > 1:
                 return "cp_context with more than one document per row"
     cu = named.get("cu_seq_lens_q")
     if cu is None:

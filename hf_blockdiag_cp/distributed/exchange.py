@@ -40,7 +40,7 @@ class CollectiveError(RuntimeError):
 
 @dataclass
 class CommStats:
-    """Bytes this rank moved through K/V exchanges (forward and backward), owned by a step's context."""
+    """Bytes this rank moved through K/V exchanges (forward and backward), owned by a step's runtime."""
 
     sent_bytes: int = 0
     received_bytes: int = 0

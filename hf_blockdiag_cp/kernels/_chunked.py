@@ -22,23 +22,28 @@ from collections.abc import Iterator
 
 import torch
 
-__all__ = ["segment_attention"]
+__all__ = ["chunk_spans", "segment_attention"]
 
 # Score elements of one chunk over all heads (16 MiB in float32; backward holds ~5 such tensors).
 _SCORE_BUDGET = 1 << 22
 _MIN_CHUNK = 16
 
 
-def _chunks(n: int, m: int, num_heads: int, window: int | None) -> Iterator[tuple[int, int, int, int]]:
-    """``(a, b, lo, hi)``: query rows ``[a, b)`` of a segment with ``n`` queries and ``m`` keys see
-    (at most) keys ``[lo, hi)``."""
+def chunk_spans(n: int, m: int, chunk: int, window: int | None) -> Iterator[tuple[int, int, int, int]]:
+    """``(a, b, lo, hi)`` per chunk of ``chunk`` query rows: rows ``[a, b)`` of a bottom-right aligned
+    segment with ``n`` queries and ``m >= n`` keys see (at most) keys ``[lo, hi)`` (causal, and to the
+    window of ``window`` keys)."""
     prefix = m - n
-    widest = m if window is None else min(m, window + _MIN_CHUNK)
-    chunk = max(_MIN_CHUNK, _SCORE_BUDGET // (num_heads * widest))
     for a in range(0, n, chunk):
         b = min(n, a + chunk)
         lo = 0 if window is None else max(0, prefix + a - window + 1)
         yield a, b, lo, prefix + b
+
+
+def _chunks(n: int, m: int, num_heads: int, window: int | None) -> Iterator[tuple[int, int, int, int]]:
+    """:func:`chunk_spans` with the chunk sized so that one chunk's scores over all heads fit the budget."""
+    widest = m if window is None else min(m, window + _MIN_CHUNK)
+    return chunk_spans(n, m, max(_MIN_CHUNK, _SCORE_BUDGET // (num_heads * widest)), window)
 
 
 def _scores(qc: torch.Tensor, k: torch.Tensor, a: int, b: int, lo: int, hi: int, prefix: int, scale: float,

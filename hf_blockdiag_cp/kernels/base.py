@@ -8,6 +8,8 @@ device, dtype, features; it never launches a kernel) and ``attention(q, k, v, ca
   K/V heads are never repeated by the caller);
 - ``call.plan``: the device-resident :class:`~hf_blockdiag_cp.planning.VarlenPlan` (int32
   ``cu_seqlens_q/k``, exact ``max_seqlen_q/k``, host-side segment lengths for scheduling);
+- ``call.schedules``: the :class:`PlanSchedules` of that plan, where a backend keeps what it derives
+  from the plan (built by the first layer of a step, reused by the others and by recompute);
 - semantics: per segment, bottom-right causal attention (query ``i`` of a segment with ``q_len``
   queries and ``k_len`` keys sees keys ``j <= k_len - q_len + i``), optionally limited to a
   sliding window of ``window`` keys (``j > k_len - q_len + i - window``, transformers' convention);
@@ -20,13 +22,20 @@ device, dtype, features; it never launches a kernel) and ``attention(q, k, v, ca
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
 from ..planning import VarlenPlan
 
-__all__ = ["KernelCall", "KernelSpec", "BackendUnavailable"]
+if TYPE_CHECKING:
+    from torch.nn.attention.flex_attention import BlockMask
+
+    from .flash import PrefixGuard
+    from .sdpa_doc import DocSchedule
+
+__all__ = ["BackendUnavailable", "KernelCall", "KernelSpec", "PlanSchedules", "TokenCoordinates"]
 
 
 class BackendUnavailable(NotImplementedError):
@@ -50,9 +59,41 @@ class KernelSpec:
     sinks: bool = False  # whether the call passes KernelCall.sinks
 
 
+class TokenCoordinates(NamedTuple):
+    """Per packed row, on the plan's device: ``q_seg [Tq]``, ``q_pos [Tq]``, ``k_seg [Tk]``, ``k_pos [Tk]``
+    int64 (see :func:`token_coordinates`)."""
+
+    q_seg: torch.Tensor
+    q_pos: torch.Tensor
+    k_seg: torch.Tensor
+    k_pos: torch.Tensor
+
+
+@dataclass(eq=False)
+class PlanSchedules:
+    """What backends derive from one device-resident plan, each built at most once per plan.
+
+    Not data: the owner of the plan for a step keeps it next to the plan (the attention layers'
+    :class:`~hf_blockdiag_cp.attention.runtime.StepRuntime`, or a forward's mask for plans derived from
+    keyword arguments), so every layer and every activation-checkpoint recompute reuses it.
+
+    Attributes:
+        token_coordinates: per packed row, segment and position (dense-mask backends).
+        flash_guard: ``flash``'s long-prefix guard schedule.
+        sdpa_doc: ``sdpa_doc``'s schedule per sliding window (``None``: none).
+        flex_masks: ``flex``'s block mask per sliding window.
+    """
+
+    token_coordinates: TokenCoordinates | None = None
+    flash_guard: PrefixGuard | None = None
+    sdpa_doc: dict[int | None, DocSchedule] = field(default_factory=dict)
+    flex_masks: dict[int | None, BlockMask] = field(default_factory=dict)
+
+
 @dataclass(frozen=True, eq=False)
 class KernelCall:
-    """Everything a backend needs besides the packed tensors."""
+    """Everything a backend needs besides the packed tensors (``schedules``: the plan's, or a fresh one
+    that nothing else reuses)."""
 
     plan: VarlenPlan
     scale: float
@@ -63,6 +104,7 @@ class KernelCall:
     flash_prefix_guard: bool = True
     # [Hq] attention-sink logits (any float dtype; gradients flow back to it), or None.
     sinks: torch.Tensor | None = None
+    schedules: PlanSchedules = field(default_factory=PlanSchedules, repr=False)
 
     @property
     def causal_window(self) -> tuple[int, int]:
@@ -88,17 +130,20 @@ def cuda_half_reason(spec: KernelSpec, library: str) -> str | None:
     return None
 
 
-def token_coordinates(plan: VarlenPlan) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Per packed row: ``(q_seg [Tq], q_pos [Tq], k_seg [Tk], k_pos [Tk])`` on the plan's device.
+def token_coordinates(call: KernelCall) -> TokenCoordinates:
+    """Per packed row of ``call.plan``: ``(q_seg [Tq], q_pos [Tq], k_seg [Tk], k_pos [Tk])`` on the plan's device.
 
     ``q_pos`` is a query's position inside its segment's keys (``k_len - q_len + i``), so a query
     sees a key iff same segment, ``k_pos <= q_pos`` and, with a window, ``k_pos > q_pos - window``.
-    Built once on the host and cached on the plan (dense-mask style backends only).
+    Built once on the host and kept in ``call.schedules`` (dense-mask style backends only).
     """
-    return plan.derived.get("token_coordinates", None, lambda: _token_coordinates(plan))
+    schedules = call.schedules
+    if schedules.token_coordinates is None:
+        schedules.token_coordinates = _token_coordinates(call.plan)
+    return schedules.token_coordinates
 
 
-def _token_coordinates(plan: VarlenPlan) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+def _token_coordinates(plan: VarlenPlan) -> TokenCoordinates:
     q_lens = torch.tensor([s.q_len for s in plan.segments], dtype=torch.int64)
     k_lens = torch.tensor([s.k_len for s in plan.segments], dtype=torch.int64)
     seg = torch.arange(len(plan.segments))
@@ -108,7 +153,7 @@ def _token_coordinates(plan: VarlenPlan) -> tuple[torch.Tensor, torch.Tensor, to
     k_first = torch.tensor(plan.host_cu_k[:-1], dtype=torch.int64)
     q_pos = torch.arange(plan.total_q) - q_first[q_seg] + (k_lens - q_lens)[q_seg]
     k_pos = torch.arange(plan.total_k) - k_first[k_seg]
-    return tuple(t.to(plan.device) for t in (q_seg, q_pos, k_seg, k_pos))
+    return TokenCoordinates(*(t.to(plan.device) for t in (q_seg, q_pos, k_seg, k_pos)))
 
 
 def visible(q_seg: torch.Tensor, q_pos: torch.Tensor, k_seg: torch.Tensor, k_pos: torch.Tensor,

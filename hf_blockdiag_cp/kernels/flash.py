@@ -35,7 +35,7 @@ def unavailable_reason(spec: KernelSpec) -> str | None:
 
 
 @dataclass(frozen=True, eq=False)
-class _Guard:
+class PrefixGuard:
     """Host schedule for the guard: prefix segments alone, the rest in one varlen call."""
 
     prefix: tuple[int, ...]
@@ -50,7 +50,7 @@ class _Guard:
     out_index: torch.Tensor | None  # rows of cat(prefix outs..., rest out) in packed order
 
 
-def _build_guard(call: KernelCall) -> _Guard:
+def _build_guard(call: KernelCall) -> PrefixGuard:
     plan = call.plan
     cq, ck = plan.host_cu_q, plan.host_cu_k
     prefix = plan.prefix_segments
@@ -74,7 +74,7 @@ def _build_guard(call: KernelCall) -> _Guard:
         out_index = torch.empty_like(order)
         out_index[order] = torch.arange(order.numel())
     contiguous_rest = contiguous(rest)
-    return _Guard(
+    return PrefixGuard(
         prefix=prefix,
         rest_cu_q=None if rest_cu_q is None else rest_cu_q.to(dev),
         rest_cu_k=None if rest_cu_k is None else rest_cu_k.to(dev),
@@ -99,7 +99,9 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, call: KernelCal
     if not call.flash_prefix_guard or not plan.prefix_segments:
         return fa.flash_attn_varlen_func(q, k, v, plan.cu_seqlens_q, plan.cu_seqlens_k, plan.max_seqlen_q,
                                          plan.max_seqlen_k, **common)
-    guard = plan.derived.get(NAME, "guard", lambda: _build_guard(call))
+    guard = call.schedules.flash_guard
+    if guard is None:
+        guard = call.schedules.flash_guard = _build_guard(call)
     cq, ck = plan.host_cu_q, plan.host_cu_k
     outs = []
     for i in guard.prefix:

@@ -1,7 +1,7 @@
 """``flex``: ``torch.nn.attention.flex_attention`` with a document ``BlockMask`` over the packed rows.
 
-The block mask is built once per plan, window and device (cached on the plan). Compiled on CUDA;
-eager elsewhere. On CPU torch 2.13 has no flex backward, so the backend reports itself
+The block mask is built once per plan, window and device (kept in the call's ``schedules``). Compiled
+on CUDA; eager elsewhere. On CPU torch 2.13 has no flex backward, so the backend reports itself
 unavailable for calls that need gradients there and ``"auto"`` never picks it. Supports logit
 softcapping through a ``score_mod``.
 """
@@ -44,13 +44,16 @@ def _flex_fn(device_type: str):
 
 
 def _block_mask(call: KernelCall):
-    plan = call.plan
-    return plan.derived.get(NAME, call.window, lambda: _build_block_mask(plan, call.window))
+    masks = call.schedules.flex_masks
+    if call.window not in masks:
+        masks[call.window] = _build_block_mask(call)
+    return masks[call.window]
 
 
-def _build_block_mask(plan, window: int | None):
+def _build_block_mask(call: KernelCall):
     flex, _ = optional_import(MODULE)
-    q_seg, q_pos, k_seg, k_pos = token_coordinates(plan)
+    plan, window = call.plan, call.window
+    q_seg, q_pos, k_seg, k_pos = token_coordinates(call)
 
     def mask_mod(b, h, q_idx, kv_idx):
         return visible(q_seg[q_idx], q_pos[q_idx], k_seg[kv_idx], k_pos[kv_idx], window)

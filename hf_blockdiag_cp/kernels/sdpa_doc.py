@@ -1,8 +1,8 @@
 """``sdpa_doc``: exact per-document attention through ``scaled_dot_product_attention``.
 
 The default on CPU and the universal fallback (any device, any float dtype, forward and backward).
-A host-side schedule, built once per step and window and owned by the plan, turns the segments
-into few SDPA calls:
+A host-side schedule, built once per step and window and kept in the call's ``schedules``, turns the
+segments into few SDPA calls:
 
 - *square* segments (as many keys as queries) of similar length are right-padded with zero rows to
   a common length and batched into one ``is_causal`` call; padded keys are never seen by real
@@ -44,7 +44,7 @@ import torch.nn.functional as F
 from torch.nn.utils.rnn import pad_sequence
 
 from ..planning import VarlenPlan
-from ._chunked import segment_attention
+from ._chunked import chunk_spans, segment_attention
 from .base import BackendUnavailable, KernelCall, KernelSpec
 
 NAME = "sdpa_doc"
@@ -93,7 +93,9 @@ class _Masked:
 
 
 @dataclass(frozen=True, eq=False)
-class _Schedule:
+class DocSchedule:
+    """The SDPA calls of one plan and window, in segment order."""
+
     steps: tuple[_Batch | _Prefix | _Masked, ...]
     q_lens: tuple[int, ...]  # per segment, to split the packed rows into per-segment views
     k_lens: tuple[int, ...]
@@ -122,7 +124,7 @@ def _group_square(square: list[tuple[int, int]]) -> list[list[tuple[int, int]]]:
     return groups
 
 
-def _build_schedule(plan: VarlenPlan, window: int | None) -> _Schedule:
+def _build_schedule(plan: VarlenPlan, window: int | None) -> DocSchedule:
     square, steps = [], []
     for i, s in enumerate(plan.segments):
         if window is not None and s.k_len > window:
@@ -137,12 +139,15 @@ def _build_schedule(plan: VarlenPlan, window: int | None) -> _Schedule:
         length = group[0][1]
         steps.append(_Batch(ids, length))
     steps.sort(key=lambda st: st.segments[0] if isinstance(st, _Batch) else st.segment)
-    return _Schedule(tuple(steps), tuple(s.q_len for s in plan.segments), tuple(s.k_len for s in plan.segments))
+    return DocSchedule(tuple(steps), tuple(s.q_len for s in plan.segments), tuple(s.k_len for s in plan.segments))
 
 
-def schedule(plan: VarlenPlan, window: int | None) -> _Schedule:
-    """The plan's sdpa_doc schedule for ``window`` (built once, cached on the plan)."""
-    return plan.derived.get(NAME, window, lambda: _build_schedule(plan, window))
+def schedule(call: KernelCall) -> DocSchedule:
+    """The schedule of ``call.plan`` for ``call.window`` (built once, kept in ``call.schedules``)."""
+    schedules = call.schedules.sdpa_doc
+    if call.window not in schedules:
+        schedules[call.window] = _build_schedule(call.plan, call.window)
+    return schedules[call.window]
 
 
 def _heads_first(x: torch.Tensor) -> torch.Tensor:
@@ -186,10 +191,7 @@ def _masked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int | Non
     n, m = q.shape[2], k.shape[2]
     prefix = m - n
     outs = []
-    for a in range(0, n, chunk):
-        b = min(n, a + chunk)
-        lo = 0 if window is None else max(0, prefix + a - window + 1)
-        hi = prefix + b
+    for a, b, lo, hi in chunk_spans(n, m, chunk, window):
         q_pos = torch.arange(prefix + a, prefix + b, device=q.device).unsqueeze(1)
         k_pos = torch.arange(lo, hi, device=q.device).unsqueeze(0)
         mask = k_pos <= q_pos
@@ -235,7 +237,7 @@ def _chunked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, call: 
     sinks = call.sinks
     if sinks is not None and (sinks.shape != (q.shape[1],) or not sinks.is_floating_point()):
         raise ValueError(f"sinks must be a float tensor [Hq={q.shape[1]}], got {sinks.dtype} {tuple(sinks.shape)}")
-    sched = schedule(call.plan, call.window)
+    sched = schedule(call)
     q_parts, k_parts, v_parts = q.split(sched.q_lens), k.split(sched.k_lens), v.split(sched.k_lens)
     softcap = None if call.softcap is None else float(call.softcap)
     pieces = [segment_attention(qs, ks, vs, sinks, scale=call.scale, softcap=softcap, window=call.window)
@@ -245,7 +247,7 @@ def _chunked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, call: 
 
 def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, call: KernelCall) -> torch.Tensor:
     plan = call.plan
-    sched = schedule(plan, call.window)
+    sched = schedule(call)
     gqa = q.shape[1] != k.shape[1]
     segments = plan.segments
     q_parts, k_parts, v_parts = q.split(sched.q_lens), k.split(sched.k_lens), v.split(sched.k_lens)

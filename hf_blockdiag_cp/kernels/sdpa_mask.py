@@ -28,7 +28,7 @@ def unavailable_reason(spec: KernelSpec) -> str | None:
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, call: KernelCall) -> torch.Tensor:
     reject_unsupported(call, NAME)
-    q_seg, q_pos, k_seg, k_pos = token_coordinates(call.plan)
+    q_seg, q_pos, k_seg, k_pos = token_coordinates(call)
     mask = visible(q_seg[:, None], q_pos[:, None], k_seg[None, :], k_pos[None, :], call.window)
     out = F.scaled_dot_product_attention(q.transpose(0, 1).unsqueeze(0), k.transpose(0, 1).unsqueeze(0),
                                          v.transpose(0, 1).unsqueeze(0), attn_mask=mask, dropout_p=call.dropout_p,

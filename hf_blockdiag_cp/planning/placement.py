@@ -104,15 +104,6 @@ class Placement:
         index = torch.from_numpy(np.argsort(owner.numpy().astype(np.int16), kind="stable")).view(cp_size, -1)
         return cls(kind, index)
 
-    def validate(self) -> None:
-        """Raise :class:`PlanError` unless the rows are sorted and together a permutation of ``[0, S)``."""
-        if self.index.dim() != 2 or self.index.dtype != torch.int64:
-            raise PlanError(f"placement index must be int64 [P, L], got {self.index.dtype} {tuple(self.index.shape)}")
-        if self.local_len > 1 and not bool((self.index[:, 1:] > self.index[:, :-1]).all()):
-            raise PlanError(f"placement {self.kind!r}: every rank's positions must be strictly ascending")
-        if not torch.equal(torch.sort(self.index.flatten()).values, torch.arange(self.full_len)):
-            raise PlanError(f"placement {self.kind!r} is not a permutation of the row's {self.full_len} positions")
-
 
 def contiguous_placement(full_len: int, cp_size: int) -> Placement:
     """Rank ``r`` holds ``[r*L, (r+1)*L)``."""

@@ -22,18 +22,14 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
-from collections.abc import Callable, Hashable, Sequence
-from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
 from .documents import as_doc_ids, document_spans
 
-__all__ = ["DerivedSchedules", "PlanError", "QueryPiece", "Segment", "VarlenPlan", "build_varlen_plan",
-           "plan_from_segments"]
-
-_T = TypeVar("_T")
+__all__ = ["PlanError", "QueryPiece", "Segment", "VarlenPlan", "build_varlen_plan", "plan_from_segments"]
 
 
 class PlanError(ValueError):
@@ -66,25 +62,6 @@ class Segment:
     def prefix(self) -> int:
         """Keys before the segment's first query (> 0 only for a document straddling a boundary)."""
         return self.k_len - self.q_len
-
-
-@dataclass(eq=False)
-class DerivedSchedules:
-    """What kernels derive from one plan on its device (schedules, masks, token coordinates).
-
-    Owned by the plan, so each is built at most once per step and reused by every layer and by
-    activation-checkpoint recompute; a plan moved to another device starts empty. Entries are
-    named by their owner (a backend name) and a key (e.g. the window).
-    """
-
-    _entries: dict[tuple[str, Hashable], Any] = field(default_factory=dict, repr=False)
-
-    def get(self, owner: str, key: Hashable, build: Callable[[], _T]) -> _T:
-        """The entry ``(owner, key)``, built by ``build()`` the first time it is asked for."""
-        slot = (owner, key)
-        if slot not in self._entries:
-            self._entries[slot] = build()
-        return self._entries[slot]
 
 
 @dataclass(frozen=True, eq=False)
@@ -121,7 +98,6 @@ class VarlenPlan:
     q_index: torch.Tensor | None
     k_index: torch.Tensor | None
     k_offset: int
-    derived: DerivedSchedules = field(default_factory=DerivedSchedules, repr=False, compare=False)
 
     @property
     def num_segments(self) -> int:
@@ -146,25 +122,8 @@ class VarlenPlan:
         """Indices of segments with more keys than queries (documents straddling a boundary)."""
         return tuple(i for i, s in enumerate(self.segments) if s.k_len > s.q_len)
 
-    @property
-    def first_q(self) -> int:
-        return self.segments[0].q_len if self.segments else 0
-
-    @property
-    def first_k(self) -> int:
-        return self.segments[0].k_len if self.segments else 0
-
-    @property
-    def max_tail_q(self) -> int:
-        """Longest query segment after the first (what a varlen call without the first segment needs)."""
-        return max((s.q_len for s in self.segments[1:]), default=0)
-
-    @property
-    def max_tail_k(self) -> int:
-        return max((s.k_len for s in self.segments[1:]), default=0)
-
     def to(self, device: torch.device | str, non_blocking: bool = True) -> VarlenPlan:
-        """Copy with the few small index tensors on ``device`` (and a fresh schedule cache)."""
+        """Copy with the few small index tensors on ``device``."""
         device = torch.device(device)
         if device == self.device:
             return self
@@ -178,7 +137,6 @@ class VarlenPlan:
             cu_seqlens_k=move(self.cu_seqlens_k),
             q_index=move(self.q_index),
             k_index=move(self.k_index),
-            derived=DerivedSchedules(),
         )
 
     def describe(self) -> str:

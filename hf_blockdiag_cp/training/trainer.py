@@ -28,7 +28,7 @@ from transformers.utils import is_datasets_available
 
 from ..attention.hf import ATTN_IMPLEMENTATION
 from ..config import BlockDiagCPConfig
-from ..context import BlockDiagCPContext, StepState
+from ..context import BlockDiagCPContext
 from ..data import PackedDataset, PackingCollator
 from .checks import check_collator, check_no_accelerate_cp, guard_model
 from .data import dp_dataloader
@@ -237,8 +237,7 @@ class CPTrainer(Trainer):
                                  f"mesh has cp_size={coords['cp_size']}, cp_rank={coords['cp_rank']}: the "
                                  "data_collator must shard rows with the mesh's CP group (group=mesh['cp'])")
             if ctx.cp_size > 1 and ctx.group is None:
-                inputs = {**inputs, "cp_context": dataclasses.replace(ctx, group=self.mesh["cp"].get_group(),
-                                                                      state=StepState())}
+                inputs = {**inputs, "cp_context": dataclasses.replace(ctx, group=self.mesh["cp"].get_group())}
         return super()._prepare_inputs(inputs)
 
     def _get_num_items_in_batch(self, batch_samples: list, device: torch.device) -> torch.Tensor | int | None:

@@ -83,14 +83,14 @@ def test_bigbird_pegasus_generate_is_not_falsely_refused():
 def test_check_reports_fail_for_wrong_attention(monkeypatch):
     """The check can fail: planning every row as one causal sequence (documents attending to each
     other) must be reported as FAIL with large numbers."""
-    from hf_blockdiag_cp.attention import hf
+    from hf_blockdiag_cp.attention import keywords
 
-    original = hf.build_varlen_plan
+    original = keywords.build_varlen_plan
 
     def one_sequence(doc_ids, **kwargs):
         return original(torch.ones_like(torch.as_tensor(doc_ids)), **kwargs)
 
-    monkeypatch.setattr(hf, "build_varlen_plan", one_sequence)
+    monkeypatch.setattr(keywords, "build_varlen_plan", one_sequence)
     result = check_model("llama", generate=False, variants=("position_ids",))
     assert result.status == FAIL and result.logits_err > 1e-2, result.line()
 

@@ -92,8 +92,8 @@ def test_straddling_first_segment_has_more_keys_than_queries():
     doc = torch.tensor([1] * 10 + [2] * 6)
     plan = build_varlen_plan(doc, local_len=8, row_offset=8)
     assert plan.segments[0] == Segment(q_start=0, q_len=2, k_start=0, k_len=10)
-    assert plan.prefix_segments == (0,) and (plan.first_q, plan.first_k) == (2, 10)
-    assert (plan.max_tail_q, plan.max_tail_k) == (6, 6)
+    assert plan.prefix_segments == (0,)
+    assert [(s.q_len, s.k_len) for s in plan.segments[1:]] == [(6, 6)]
     assert plan.q_index is None and plan.k_index is None  # slices, no gathers
 
 

@@ -1,0 +1,93 @@
+"""The step's runtime: what the attention layers derive from a context once and then reuse (not data).
+
+A :class:`~hf_blockdiag_cp.context.BlockDiagCPContext` and its plans are frozen host data. What the
+layers of one step build from them lives here, in one :class:`StepRuntime` per context: the plans'
+device copies with the kernel schedules derived from them, the CP ranks' agreement, the backend chosen
+per kernel spec, this rank's device-ready K/V exchanges and the bytes they moved. The first layer of a
+step fills it; every later layer and activation-checkpoint recompute reuses it.
+
+It is reached from the context through one attribute: :func:`step_runtime` keys a weak map owned by
+this module by ``ctx.origin or ctx`` (``origin``: the context a device copy was made from), so a
+context and all its device copies share one runtime, created on first use, and it goes away with the
+context. Nothing here references a context, so the weak map never keeps one alive.
+"""
+
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+import torch
+
+from ..context import BlockDiagCPContext
+from ..distributed import CommStats, RankExchange
+from ..kernels import KernelSpec
+from ..kernels.base import PlanSchedules
+from ..planning import VarlenPlan
+
+__all__ = ["DevicePlan", "PlanKey", "StepRuntime", "device_plan", "step_runtime"]
+
+
+class PlanKey(NamedTuple):
+    """A device and a planned sliding window (``None``: the full plans) of one step."""
+
+    device: torch.device
+    window: int | None
+
+
+@dataclass(eq=False)
+class DevicePlan:
+    """A plan on the device of the layers that run it, with what kernels derive from it."""
+
+    plan: VarlenPlan
+    schedules: PlanSchedules = field(default_factory=PlanSchedules)
+
+
+@dataclass(eq=False)
+class StepRuntime:
+    """What the layers of one step derive from its context and reuse.
+
+    Attributes:
+        plans: the context's plans on each device, per planned window (:func:`device_plan`).
+        agreed_backends: backends every CP rank can run (the step's rank agreement), once known.
+        backends: the backend chosen per kernel spec in this step.
+        exchanges: this rank's device-ready exchange per device and planned window (``None``: nothing moves).
+        comm: bytes moved by this step's K/V exchanges.
+    """
+
+    plans: dict[PlanKey, DevicePlan] = field(default_factory=dict)
+    agreed_backends: frozenset[str] | None = None
+    backends: dict[KernelSpec, str] = field(default_factory=dict)
+    exchanges: dict[PlanKey, RankExchange | None] = field(default_factory=dict)
+    comm: CommStats = field(default_factory=CommStats)
+
+
+#: The runtime of every live context (by identity: contexts compare by identity), the module's one cache.
+_RUNTIMES: weakref.WeakKeyDictionary[BlockDiagCPContext, StepRuntime] = weakref.WeakKeyDictionary()
+
+
+def step_runtime(ctx: BlockDiagCPContext) -> StepRuntime:
+    """The runtime of ``ctx``'s step, shared with its device copies (created on first use)."""
+    owner = ctx if ctx.origin is None else ctx.origin
+    runtime = _RUNTIMES.get(owner)
+    if runtime is None:
+        runtime = _RUNTIMES[owner] = StepRuntime()
+    return runtime
+
+
+def plan_key(ctx: BlockDiagCPContext, device: torch.device, window: int | None) -> PlanKey:
+    """Where a layer with sliding ``window`` on ``device`` finds its plans (an unplanned window uses the
+    full plans, see :meth:`~hf_blockdiag_cp.context.BlockDiagCPContext.plans_for`)."""
+    return PlanKey(device, window if window in ctx.window_plans else None)
+
+
+def device_plan(ctx: BlockDiagCPContext, device: torch.device, window: int | None = None) -> DevicePlan:
+    """The varlen plan of a layer with sliding ``window``, on ``device``: copied once per step and device."""
+    key = plan_key(ctx, device, window)
+    plans = step_runtime(ctx).plans
+    found = plans.get(key)
+    if found is None:
+        plan, _ = ctx.plans_for(key.window)
+        found = plans[key] = DevicePlan(plan.to(device))
+    return found
