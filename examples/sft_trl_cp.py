@@ -194,7 +194,7 @@ def main(argv: list[str] | None = None) -> dict:
     train = datasets.Dataset.from_list(sft_examples(texts[:split], args.format))
     evaluation = datasets.Dataset.from_list(sft_examples(texts[split:], args.format)) if split < len(texts) else None
     logger.info("%d train / %d eval examples (%s), seq_len %d, world %d = dp %d x cp %d, lora %s", len(train),
-                len(texts) - split, args.format, args.seq_len, world, coords["dp_size"], coords["cp_size"], args.lora)
+                len(texts) - split, args.format, args.seq_len, world, coords.dp_size, coords.cp_size, args.lora)
 
     # The reference runs no collective after training: only the main process needs the model copy. Taken before
     # the trainer exists: TRL patches the forward of the model it is given.
@@ -210,11 +210,11 @@ def main(argv: list[str] | None = None) -> dict:
     if args.check_parity:
         if main_process:
             parity = check_parity(reference.to(device), shards, trainer, losses[0], probe.first_grads, eval_loss,
-                                  coords["dp_size"], args.max_grad_norm, device)
+                                  coords.dp_size, args.max_grad_norm, device)
     exchange = trainer.last_context.exchange
     summary = {
-        "world": world, "lora": args.lora, "format": args.format, "dp_size": coords["dp_size"],
-        "cp_size": coords["cp_size"], "seq_len": args.seq_len, "steps": len(losses), "first_loss": losses[0],
+        "world": world, "lora": args.lora, "format": args.format, "dp_size": coords.dp_size,
+        "cp_size": coords.cp_size, "seq_len": args.seq_len, "steps": len(losses), "first_loss": losses[0],
         "last_loss": losses[-1], "losses": losses, "eval_loss": eval_loss, "tokens_per_s": tokens_per_s,
         "peak_memory_gib_per_rank": [p / 2**30 for p in peaks],
         "peak_memory_kind": "cuda max_memory_allocated" if torch.cuda.is_available() else "process max RSS",

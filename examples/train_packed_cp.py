@@ -142,8 +142,8 @@ def main(argv: list[str] | None = None) -> dict:
     bd.check_collator(collator, mesh)
     loader = bd.dp_dataloader(dataset, mesh, collate_fn=collator)
     logger.info("%d documents (%d tokens), seq_len %d, world %d = dp %d x cp %d, backend %s, kv_exchange %s",
-                len(docs), sum(len(d["input_ids"]) for d in docs), args.seq_len, world, coords["dp_size"],
-                coords["cp_size"], args.backend, args.kv_exchange)
+                len(docs), sum(len(d["input_ids"]) for d in docs), args.seq_len, world, coords.dp_size,
+                coords.cp_size, args.backend, args.kv_exchange)
 
     model = bd.guard_model(model.to(accelerator.device))
     ref_model = copy.deepcopy(model) if args.check_parity else None
@@ -170,7 +170,7 @@ def main(argv: list[str] | None = None) -> dict:
         batch = next(rows)
         ctx = batch["cp_context"]
         tokens = torch.tensor(float((ctx.doc_ids != 0).sum()))
-        if mesh is not None and coords["dp_size"] > 1:
+        if mesh is not None and coords.dp_size > 1:
             dist.all_reduce(tokens, group=mesh["dp"].get_group())  # real tokens of the whole step
         batch = bd.normalize_num_items(_to_device(batch, accelerator.device), mesh, device=accelerator.device)
         start = time.perf_counter()
@@ -179,7 +179,7 @@ def main(argv: list[str] | None = None) -> dict:
         accelerator.backward(out.loss)
         loss = bd.reduce_loss_for_logging(out.loss, mesh).item()
         if step == 0 and ref_model is not None:
-            parity = _parity(ref_model, dataset, args, tokenizer, config, coords["dp_size"], loss, _grads(model),
+            parity = _parity(ref_model, dataset, args, tokenizer, config, coords.dp_size, loss, _grads(model),
                              accelerator.device)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
@@ -200,8 +200,8 @@ def main(argv: list[str] | None = None) -> dict:
     peaks = gather_floats(peak_memory_bytes(), world)
     kv = gather_floats(kv_bytes, world)
     summary = {
-        "world": world, "wrapper": wrapper, "lora": args.lora, "fsdp2": sharded, "dp_size": coords["dp_size"],
-        "cp_size": coords["cp_size"], "seq_len": args.seq_len, "mixed_precision": args.mixed_precision,
+        "world": world, "wrapper": wrapper, "lora": args.lora, "fsdp2": sharded, "dp_size": coords.dp_size,
+        "cp_size": coords.cp_size, "seq_len": args.seq_len, "mixed_precision": args.mixed_precision,
         "steps": args.steps, "first_loss": losses[0], "last_loss": losses[-1], "losses": losses,
         "tokens_per_s": tokens_per_s,
         "peak_memory_gib_per_rank": [p / 2**30 for p in peaks],

@@ -121,14 +121,14 @@ def reference_step(ref_model, rows: dict[str, torch.Tensor], config, max_grad_no
     return out.loss.item(), {n: p.grad for n, p in ref_model.named_parameters() if p.grad is not None}
 
 
-def measure_run(trainer, probe, world: int, coords: dict, keep_shards: bool) -> tuple:
+def measure_run(trainer, probe, world: int, coords: bd.training.CPCoordinates, keep_shards: bool) -> tuple:
     """After ``trainer.train()``: ``(losses, tokens/s, peak memory per rank, K/V bytes per rank, first-step
     shards of every rank)`` (collectives when ``world > 1``; shards ``None`` unless ``keep_shards``)."""
     losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
     tokens = torch.tensor([float(trainer.step_tokens[s]) for s in range(len(probe.step_times))], dtype=torch.float64)
     if world > 1:  # every CP rank of a DP group counted the same full rows
         dist.all_reduce(tokens)
-        tokens /= coords["cp_size"]
+        tokens /= coords.cp_size
     timed = slice(1, None) if len(probe.step_times) > 1 else slice(None)  # the first step warms up
     tokens_per_s = tokens[timed].sum().item() / sum(probe.step_times[timed])
     peaks = gather_floats(peak_memory_bytes(), world)
@@ -136,7 +136,7 @@ def measure_run(trainer, probe, world: int, coords: dict, keep_shards: bool) -> 
     kvs = gather_floats(stats.sent_bytes + stats.received_bytes, world)
     shards = None
     if keep_shards:
-        shards = [(trainer.first_step_shards, coords["dp_rank"])]
+        shards = [(trainer.first_step_shards, coords.dp_rank)]
         if world > 1:  # the rows the Trainer really consumed in step 1, as every rank's shards
             gathered = [None] * world
             dist.all_gather_object(gathered, shards[0])
@@ -180,8 +180,8 @@ def main(argv: list[str] | None = None) -> dict:
     collator = bd.PackingCollator(args.seq_len, group=mesh["cp"] if mesh is not None else None,
                                   pad_token_id=tokenizer.pad_token_id, config=config)
     logger.info("%d documents (%d tokens), seq_len %d, world %d = dp %d x cp %d, backend %s, kv_exchange %s",
-                len(docs), sum(len(d["input_ids"]) for d in docs), args.seq_len, world, coords["dp_size"],
-                coords["cp_size"], args.backend, args.kv_exchange)
+                len(docs), sum(len(d["input_ids"]) for d in docs), args.seq_len, world, coords.dp_size,
+                coords.cp_size, args.backend, args.kv_exchange)
 
     # The no-CP reference runs no collective after training: only the main process needs the model copy.
     ref_model = copy.deepcopy(model) if args.check_parity and main_process else None
@@ -203,7 +203,7 @@ def main(argv: list[str] | None = None) -> dict:
                       "grads": "after clipping to max_grad_norm" if args.max_grad_norm > 0 else "unclipped"}
     exchange = trainer.last_context.exchange
     summary = {
-        "world": world, "lora": args.lora, "dp_size": coords["dp_size"], "cp_size": coords["cp_size"],
+        "world": world, "lora": args.lora, "dp_size": coords.dp_size, "cp_size": coords.cp_size,
         "seq_len": args.seq_len,
         "steps": len(losses), "first_loss": losses[0], "last_loss": losses[-1], "losses": losses,
         "tokens_per_s": tokens_per_s, "peak_memory_gib_per_rank": [p / 2**30 for p in peaks],

@@ -146,17 +146,17 @@ def check_collator(collator: Any, mesh: DeviceMesh | None) -> None:
     coords = cp_coordinates(mesh)
     topology = collator_topology(collator)
     if topology is None:
-        if coords["cp_size"] == 1:
+        if coords.cp_size == 1:
             return  # without CP every rank collates whole rows: any collator will do
         raise ValueError(
             f"the data_collator {_name(collator)} does not expose its CP topology (no cp_size/cp_rank attributes, no "
             f"group attribute, no functools.partial group= keyword), so it cannot be checked against the mesh "
-            f"(cp_size={coords['cp_size']}, cp_rank={coords['cp_rank']}): set collate.cp_size = mesh['cp'].size() and "
+            f"(cp_size={coords.cp_size}, cp_rank={coords.cp_rank}): set collate.cp_size = mesh['cp'].size() and "
             "collate.cp_rank = mesh['cp'].get_local_rank() on it, or pass functools.partial(collate, group=mesh['cp'])")
     size, rank, where = topology
-    if size != coords["cp_size"] or rank != coords["cp_rank"]:
+    if size != coords.cp_size or rank != coords.cp_rank:
         raise ValueError(f"the data_collator {_name(collator)} shards rows for cp_size={size}, cp_rank={rank} (from "
-                         f"{where}) but the mesh has cp_size={coords['cp_size']}, cp_rank={coords['cp_rank']}; "
+                         f"{where}) but the mesh has cp_size={coords.cp_size}, cp_rank={coords.cp_rank}; "
                          "build it with the mesh's CP group (group=mesh['cp'])")
 
 

@@ -47,11 +47,11 @@ def dp_dataloader(dataset: Dataset | IterableDataset, mesh: DeviceMesh | None, *
     if isinstance(dataset, IterableDataset):
         if shuffle:
             raise ValueError("shuffle=True needs a map-style dataset; give PackedDataset a seed instead")
-        if coords["dp_size"] > 1:
-            dataset = DataParallelShard(dataset, coords["dp_rank"], coords["dp_size"])
+        if coords.dp_size > 1:
+            dataset = DataParallelShard(dataset, coords.dp_rank, coords.dp_size)
         return DataLoader(dataset, batch_size=batch_size, collate_fn=collate_fn, num_workers=num_workers,
                           drop_last=drop_last, **kwargs)
-    sampler = DistributedSampler(dataset, num_replicas=coords["dp_size"], rank=coords["dp_rank"], shuffle=shuffle,
+    sampler = DistributedSampler(dataset, num_replicas=coords.dp_size, rank=coords.dp_rank, shuffle=shuffle,
                                  seed=seed, drop_last=drop_last)
     return DataLoader(dataset, batch_size=batch_size, sampler=sampler, collate_fn=collate_fn,
                       num_workers=num_workers, drop_last=drop_last, **kwargs)

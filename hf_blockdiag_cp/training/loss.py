@@ -25,7 +25,7 @@ def global_num_items(num_items: int | torch.Tensor, mesh: DeviceMesh | None,
     """``N``: the step's targets summed over the DP groups (one collective over ``dp``; no host read)."""
     total = torch.as_tensor(num_items, dtype=torch.float64 if torch.device(device).type == "cpu" else torch.float32,
                             device=device).clone()
-    if mesh is not None and cp_coordinates(mesh)["dp_size"] > 1:
+    if mesh is not None and cp_coordinates(mesh).dp_size > 1:
         dist.all_reduce(total, group=mesh["dp"].get_group())
     return total
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import datetime
 import os
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -20,7 +21,7 @@ from .._validate import check_int
 from ..config import ENV_VARS, BlockDiagCPConfig
 from ..distributed.groups import group_options, group_timeout
 
-__all__ = ["check_group_timeouts", "cp_coordinates", "init_device_mesh"]
+__all__ = ["CPCoordinates", "check_group_timeouts", "cp_coordinates", "init_device_mesh"]
 
 
 def init_device_mesh(cp_size: int, *, device_type: str | None = None,
@@ -95,11 +96,20 @@ def _seconds(delta: datetime.timedelta) -> str:
     return f"{delta.total_seconds():g}"
 
 
-def cp_coordinates(mesh: DeviceMesh | None) -> dict[str, int]:
-    """``dp_rank, dp_size, cp_rank, cp_size`` of this process (all 0/1 without a mesh)."""
+class CPCoordinates(NamedTuple):
+    """Where this process sits in a ``("dp", "cp")`` mesh."""
+
+    dp_rank: int
+    dp_size: int
+    cp_rank: int
+    cp_size: int
+
+
+def cp_coordinates(mesh: DeviceMesh | None) -> CPCoordinates:
+    """``(dp_rank, dp_size, cp_rank, cp_size)`` of this process (``(0, 1, 0, 1)`` without a mesh)."""
     if mesh is None:
-        return {"dp_rank": 0, "dp_size": 1, "cp_rank": 0, "cp_size": 1}
+        return CPCoordinates(dp_rank=0, dp_size=1, cp_rank=0, cp_size=1)
     if mesh.mesh_dim_names != ("dp", "cp"):
         raise ValueError(f"expected a ('dp', 'cp') mesh from hf_blockdiag_cp.init_device_mesh, got {mesh.mesh_dim_names}")
-    return {"dp_rank": mesh.get_local_rank("dp"), "dp_size": mesh.size(0),
-            "cp_rank": mesh.get_local_rank("cp"), "cp_size": mesh.size(1)}
+    return CPCoordinates(dp_rank=mesh.get_local_rank("dp"), dp_size=mesh.size(0),
+                         cp_rank=mesh.get_local_rank("cp"), cp_size=mesh.size(1))

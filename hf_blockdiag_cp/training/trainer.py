@@ -129,7 +129,7 @@ class CPTrainer(Trainer):
         if mesh is not None and self.args.train_sampling_strategy not in ("random", "sequential"):
             raise ValueError(f"train_sampling_strategy={self.args.train_sampling_strategy!r} is not supported on a "
                              "mesh (batches are sampled per data-parallel group): use 'random' or 'sequential'")
-        if coords["cp_size"] > 1:
+        if coords.cp_size > 1:
             self._check_cp_arguments()
         guard_model(self.model)
 
@@ -192,7 +192,7 @@ class CPTrainer(Trainer):
             return super()._get_dataloader(dataset, description, batch_size, sampler_fn, is_training,
                                            dataloader_key)
         args, coords = self.args, cp_coordinates(self.mesh)
-        if coords["cp_size"] > 1 and batch_size != 1 and isinstance(dataset, PackedDataset):
+        if coords.cp_size > 1 and batch_size != 1 and isinstance(dataset, PackedDataset):
             name = "per_device_train_batch_size" if is_training else "per_device_eval_batch_size"
             raise ValueError(f"{name}={batch_size}: under CP a micro-batch is one PackedDataset row (the context "
                              f"and exchange are planned per row); set {name}=1 and use gradient_accumulation_steps")
@@ -204,7 +204,7 @@ class CPTrainer(Trainer):
         iterable = isinstance(dataset, IterableDataset)
         if iterable and is_training:
             dataset = EndlessPasses(dataset)
-        elif iterable and coords["dp_size"] > 1:
+        elif iterable and coords.dp_size > 1:
             # Evaluation gathers over all processes every step, so every DP group needs the same number of
             # batches: a finite list gets DistributedSampler's padding to equal length.
             dataset = list(dataset)
@@ -232,9 +232,9 @@ class CPTrainer(Trainer):
             coords = cp_coordinates(self.mesh)
             # A collator that exposed the right topology at construction may still build other contexts (a
             # function collator is trusted on its attributes): one int comparison per step catches it.
-            if (ctx.cp_size, ctx.cp_rank) != (coords["cp_size"], coords["cp_rank"]):
+            if (ctx.cp_size, ctx.cp_rank) != (coords.cp_size, coords.cp_rank):
                 raise ValueError(f"the batch's cp_context is for cp_size={ctx.cp_size}, cp_rank={ctx.cp_rank} but the "
-                                 f"mesh has cp_size={coords['cp_size']}, cp_rank={coords['cp_rank']}: the "
+                                 f"mesh has cp_size={coords.cp_size}, cp_rank={coords.cp_rank}: the "
                                  "data_collator must shard rows with the mesh's CP group (group=mesh['cp'])")
             if ctx.cp_size > 1 and ctx.group is None:
                 inputs = {**inputs, "cp_context": dataclasses.replace(ctx, group=self.mesh["cp"].get_group())}
@@ -268,7 +268,7 @@ class CPTrainer(Trainer):
         (the stock count divides by accelerate's CP size, which is 1 here). Used for logs and speed metrics."""
         if self.mesh is None:
             return super().get_total_train_batch_size(args)
-        return self._train_batch_size * args.gradient_accumulation_steps * cp_coordinates(self.mesh)["dp_size"]
+        return self._train_batch_size * args.gradient_accumulation_steps * cp_coordinates(self.mesh).dp_size
 
     def call_model_init(self, trial: Any = None) -> torch.nn.Module:
         """Models built by ``model_init`` get the same fail-fast guard as the one given to ``__init__``."""

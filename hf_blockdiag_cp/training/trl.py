@@ -117,7 +117,7 @@ class CPSFTTrainer(CPTrainer, SFTTrainer):
                              "or 'bfd_split' (split them)")
         if isinstance(packing_buffer_size, bool) or not isinstance(packing_buffer_size, int) or packing_buffer_size < 1:
             raise ValueError(f"packing_buffer_size={packing_buffer_size!r} must be an int >= 1")
-        cp_size = cp_coordinates(mesh)["cp_size"]
+        cp_size = cp_coordinates(mesh).cp_size
         if args.max_length % cp_size:
             raise ValueError(f"args.max_length={args.max_length} is not divisible by the mesh's cp_size={cp_size}: "
                              "every rank holds max_length / cp_size tokens of each row")

@@ -40,10 +40,10 @@ def _parallel_worker(rank: int, world: int, cp_size: int) -> dict:
 
     mesh = bd.init_device_mesh(cp_size)
     coords = bd.cp_coordinates(mesh)
-    ref_before, ref_after, ref_loss = _reference_step(coords["dp_size"])
+    ref_before, ref_after, ref_loss = _reference_step(coords.dp_size)
     collator = bd.PackingCollator(SEQ_LEN, group=mesh["cp"], pad_token_id=0)
     bd.check_collator(collator, mesh)
-    docs = _documents()[coords["dp_rank"]]
+    docs = _documents()[coords.dp_rank]
     batch = collator([{"input_ids": d} for d in docs])
     batch = bd.normalize_num_items(batch, mesh)
     results = {}
