@@ -19,7 +19,7 @@ What cannot be computed exactly is refused with ``NotImplementedError`` naming t
 dropped: attention keywords this function does not implement (``position_bias``, sparse
 ``indices``, ...), mask patterns other than the above, bidirectional masks, model code that uses the
 mask itself; model-level refusals (other token mixers, absolute positions, attention that bypasses
-``AttentionInterface``) live in :mod:`.guards`.
+``AttentionInterface``) live in :mod:`hf_blockdiag_cp.model`.
 """
 
 from __future__ import annotations
@@ -33,9 +33,10 @@ import torch
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface
 
-from ..config import BlockDiagCPConfig
+from ..config import ATTN_IMPLEMENTATION, BlockDiagCPConfig
 from ..context import BlockDiagCPContext
 from ..kernels import BackendUnavailable
+from ..model import mark_attention_call, patch_transformers
 from ..planning import (
     VarlenPlan,
     build_varlen_plan,
@@ -46,12 +47,9 @@ from ..planning import (
 from ..planning.varlen import Segment
 from .core import attend_flat, autocast_like_sdpa, check_qkv, flat_rows, kernel_spec, resolve_backend
 from .cp import cp_attention
-from .guards import mark_attention_call, patch_transformers
 from .mask_spec import MaskSpec, describe_mask_function
 
 __all__ = ["ATTN_IMPLEMENTATION", "BlockDiagMask", "blockdiag_cp_attention", "blockdiag_cp_mask", "register"]
-
-ATTN_IMPLEMENTATION = "blockdiag_cp"
 
 
 #: Keywords the attention function reads.
@@ -444,8 +442,8 @@ def _dense_user_mask(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
 
 
 def register() -> None:
-    """Register ``"blockdiag_cp"`` with transformers' attention and mask interfaces and make every model that
-    uses it install the model-level guards (:mod:`.guards`); idempotent."""
+    """Register ``"blockdiag_cp"`` with transformers' attention and mask interfaces and have every model that
+    uses it prepared (:func:`hf_blockdiag_cp.model.prepare_model`); idempotent."""
     AttentionInterface.register(ATTN_IMPLEMENTATION, blockdiag_cp_attention)
     AttentionMaskInterface.register(ATTN_IMPLEMENTATION, blockdiag_cp_mask)
     patch_transformers()
