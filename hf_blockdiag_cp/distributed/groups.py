@@ -14,7 +14,6 @@ import datetime
 from dataclasses import dataclass
 from typing import Any
 
-import torch
 import torch.distributed as dist
 
 from ..compat import backend_options, backend_timeouts, resolve_process_group
