@@ -11,7 +11,10 @@ import datetime
 import os
 from dataclasses import dataclass, field
 
-__all__ = ["BACKENDS", "KV_EXCHANGES", "PLACEMENTS", "BlockDiagCPConfig", "ENV_VARS"]
+__all__ = ["ATTN_IMPLEMENTATION", "BACKENDS", "KV_EXCHANGES", "PLACEMENTS", "BlockDiagCPConfig", "ENV_VARS"]
+
+#: The name this package registers with transformers (``attn_implementation="blockdiag_cp"``).
+ATTN_IMPLEMENTATION = "blockdiag_cp"
 
 #: Attention kernel backends, in no particular order ("auto" picks per device and dtype).
 BACKENDS: tuple[str, ...] = ("auto", "flash", "te", "torch_varlen", "flex", "sdpa_doc", "sdpa_mask")

@@ -10,7 +10,7 @@ What cannot be computed exactly is refused with ``NotImplementedError`` naming t
 dropped: attention keywords this function does not implement, mask patterns other than those of
 :mod:`.mask_spec`, bidirectional masks, model code that uses the mask itself; model-level refusals
 (other token mixers, absolute positions, attention that bypasses ``AttentionInterface``) live in
-:mod:`.guards`.
+:mod:`hf_blockdiag_cp.model`.
 """
 
 from __future__ import annotations
@@ -22,19 +22,17 @@ import torch
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface
 
-from ..config import BlockDiagCPConfig
+from ..config import ATTN_IMPLEMENTATION, BlockDiagCPConfig
 from ..context import BlockDiagCPContext
 from ..kernels import BackendUnavailable
+from ..model import mark_attention_call, patch_transformers
 from .core import attend_flat, autocast_like_sdpa, check_qkv, flat_rows, kernel_spec, resolve_backend
 from .cp import cp_attention
-from .guards import mark_attention_call, patch_transformers
 from .keywords import check_keywords, chunked_context_plan, plan_from_kwargs
 from .mask import BlockDiagMask, blockdiag_cp_mask
 from .runtime import device_plan
 
 __all__ = ["ATTN_IMPLEMENTATION", "BlockDiagMask", "blockdiag_cp_attention", "blockdiag_cp_mask", "register"]
-
-ATTN_IMPLEMENTATION = "blockdiag_cp"
 
 
 def _model_type(module: torch.nn.Module, mask: BlockDiagMask | None) -> str:
@@ -147,8 +145,8 @@ def _dense_user_mask(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
 
 
 def register() -> None:
-    """Register ``"blockdiag_cp"`` with transformers' attention and mask interfaces and make every model that
-    uses it install the model-level guards (:mod:`.guards`); idempotent."""
+    """Register ``"blockdiag_cp"`` with transformers' attention and mask interfaces and have every model that
+    uses it prepared (:func:`hf_blockdiag_cp.model.prepare_model`); idempotent."""
     AttentionInterface.register(ATTN_IMPLEMENTATION, blockdiag_cp_attention)
     AttentionMaskInterface.register(ATTN_IMPLEMENTATION, blockdiag_cp_mask)
     patch_transformers()

@@ -5,7 +5,7 @@ process, which created the group) resolves the name back to the same group (Data
 return batches holding a context).
 
 A group's timeout bounds how long its collectives wait for a stalled peer (DDP's gradient all-reduce
-included); torch 2.13 exposes it only through the group's per-device backend ``options._timeout``.
+included); torch 2.13 exposes it only through private names, read and written in :mod:`hf_blockdiag_cp.compat`.
 """
 
 from __future__ import annotations
@@ -14,9 +14,9 @@ import datetime
 from dataclasses import dataclass
 from typing import Any
 
-import torch
 import torch.distributed as dist
-from torch.distributed.distributed_c10d import _resolve_process_group
+
+from ..compat import backend_options, backend_timeouts, resolve_process_group
 
 __all__ = ["GroupRef", "group_options", "group_timeout", "group_to_ref", "ref_to_group"]
 
@@ -44,7 +44,7 @@ def ref_to_group(ref: Any) -> Any:
     if not isinstance(ref, GroupRef) or not dist.is_initialized():
         return ref
     try:
-        return _resolve_process_group(ref.name)
+        return resolve_process_group(ref.name)
     except (KeyError, RuntimeError, ValueError):
         return ref
 
@@ -52,24 +52,11 @@ def ref_to_group(ref: Any) -> Any:
 def group_timeout(group: Any = None) -> datetime.timedelta | None:
     """The longest timeout of ``group``'s backends (default group when ``None``), or ``None`` when
     torch does not expose it for this backend."""
-    pg = dist.group.WORLD if group is None else group
-    found = []
-    try:
-        for device in pg._device_types:
-            found.append(pg._get_backend(torch.device(device)).options._timeout)
-    except (AttributeError, RuntimeError, ValueError):
-        return None
+    found = backend_timeouts(dist.group.WORLD if group is None else group)
     return max(found) if found else None
 
 
 def group_options(backend: str, timeout: datetime.timedelta) -> Any:
     """Options for a new ``backend`` group (``"gloo"``/``"nccl"``) whose collectives time out after
     ``timeout``; ``None`` for other backends (their groups get torch's default timeout)."""
-    if backend == "gloo" and dist.is_gloo_available():
-        options = dist.ProcessGroupGloo._Options()
-    elif backend == "nccl" and dist.is_nccl_available():
-        options = dist.ProcessGroupNCCL.Options()
-    else:
-        return None
-    options._timeout = timeout
-    return options
+    return backend_options(backend, timeout)

@@ -43,6 +43,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.utils.rnn import pad_sequence
 
+from ..compat import CPU_FLASH_ATTENTION, CPU_FLASH_ATTENTION_BACKWARD
 from ..planning import VarlenPlan
 from ._chunked import chunk_spans, segment_attention
 from .base import BackendUnavailable, KernelCall, KernelSpec
@@ -61,8 +62,8 @@ _CALL_EQUIVALENT = 48 * 48
 _MASK_BUDGET = 1 << 22
 _MIN_CHUNK = 64
 
-_cpu_flash = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
-_cpu_flash_bwd = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu_backward", None)
+_cpu_flash = CPU_FLASH_ATTENTION
+_cpu_flash_bwd = CPU_FLASH_ATTENTION_BACKWARD
 
 
 def unavailable_reason(spec: KernelSpec) -> str | None:

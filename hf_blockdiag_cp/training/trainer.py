@@ -26,15 +26,18 @@ from torch.utils.data import DataLoader, Dataset, IterableDataset
 from transformers import Trainer
 from transformers.utils import is_datasets_available
 
-from ..attention.hf import ATTN_IMPLEMENTATION
+from ..compat import accelerate_prepared, check_trainer_internals, forget_accelerate_prepared
 from ..config import BlockDiagCPConfig
 from ..context import BlockDiagCPContext
 from ..data import PackedDataset, PackingCollator
+from ..model import require_blockdiag_cp
 from .checks import check_collator, check_no_accelerate_cp, guard_model
 from .data import dp_dataloader
 from .mesh import check_group_timeouts, cp_coordinates
 
 __all__ = ["CPTrainer"]
+
+check_trainer_internals(Trainer)  # the private Trainer methods overridden or called below (ImportError if renamed)
 
 
 class EndlessPasses(IterableDataset):
@@ -136,11 +139,7 @@ class CPTrainer(Trainer):
     def _check_cp_arguments(self) -> None:
         """Settings under which the Trainer's loss or the attention would be silently wrong under CP."""
         args = self.args
-        implementation = getattr(getattr(self.model, "config", None), "_attn_implementation", None)
-        if implementation != ATTN_IMPLEMENTATION:
-            raise ValueError(f"the model's attn_implementation is {implementation!r}: under CP its attention would "
-                             f"only see each rank's shard; load it with attn_implementation={ATTN_IMPLEMENTATION!r} "
-                             f"or call model.set_attn_implementation({ATTN_IMPLEMENTATION!r})")
+        require_blockdiag_cp(self.model, "under CP its attention would only see each rank's shard")
         if not args.average_tokens_across_devices:
             raise ValueError("average_tokens_across_devices=False: under CP each rank would divide its shard's loss "
                              "by its own target count; set average_tokens_across_devices=True (the default) for the "
@@ -256,11 +255,8 @@ class CPTrainer(Trainer):
         no DDP, so no gradient all-reduce, and under CP each rank would step on its own shard's gradient.
         """
         model = self.model
-        if self.args.world_size > 1 and self.model_wrapped is model and getattr(model, "_is_accelerate_prepared",
-                                                                                False):
-            del model._is_accelerate_prepared
-            if model in self.accelerator._models:
-                self.accelerator._models.remove(model)
+        if self.args.world_size > 1 and self.model_wrapped is model and accelerate_prepared(model):
+            forget_accelerate_prepared(self.accelerator, model)
         return super().train(*args, **kwargs)
 
     def get_total_train_batch_size(self, args: Any) -> int:

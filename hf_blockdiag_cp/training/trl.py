@@ -29,9 +29,9 @@ import torch
 from torch.utils.data import Dataset
 from torch.utils.data import IterableDataset as TorchIterableDataset
 
-from ..attention.hf import ATTN_IMPLEMENTATION
-from ..config import BlockDiagCPConfig
+from ..config import ATTN_IMPLEMENTATION, BlockDiagCPConfig
 from ..data import PackedDataset, PackedRow, PackingCollator
+from ..model import require_blockdiag_cp
 from .mesh import cp_coordinates
 from .trainer import CPTrainer
 
@@ -187,12 +187,8 @@ class CPSFTTrainer(CPTrainer, SFTTrainer):
                                  for k, v in self.eval_dataset.items()}
         else:
             self.eval_dataset = self._as_rows(self.eval_dataset, self._packing_for("Evaluation"))
-        implementation = getattr(getattr(self.model, "config", None), "_attn_implementation", None)
-        if implementation != ATTN_IMPLEMENTATION:
-            raise ValueError(f"the model's attn_implementation is {implementation!r}: packed rows need "
-                             f"attn_implementation={ATTN_IMPLEMENTATION!r} (load it so, pass model_init_kwargs="
-                             f"{{'attn_implementation': {ATTN_IMPLEMENTATION!r}}}, or call "
-                             f"model.set_attn_implementation({ATTN_IMPLEMENTATION!r}))")
+        require_blockdiag_cp(self.model, f"packed rows need {ATTN_IMPLEMENTATION!r} (for a model given by name, pass "
+                                         f"model_init_kwargs={{'attn_implementation': {ATTN_IMPLEMENTATION!r}}})")
         super()._setup_cp()
 
     def _get_dataloader(self, dataset: Any, description: str, batch_size: int, sampler_fn: Any = None,

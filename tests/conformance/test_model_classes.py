@@ -148,9 +148,9 @@ def test_models_bypassing_the_attention_interface_are_refused_at_load(model_type
 def test_attention_never_called_in_a_packed_forward_is_refused(monkeypatch):
     """The runtime backstop for models the load-time heuristic misses: mamba has no attention at all;
     with its mixer refusal switched off, the packed forward must still be refused afterwards."""
-    from hf_blockdiag_cp.attention import guards
+    from hf_blockdiag_cp.model import prepare
 
-    monkeypatch.setattr(guards, "packing_refusal", lambda model: None)
+    monkeypatch.setattr(prepare, "packing_refusal", lambda model: None)
     stock, ours, docs = _pair("mamba")
     ids = docs[2][None]
     torch.testing.assert_close(ours(ids).logits, stock(ids).logits, atol=1e-6, rtol=0)  # unpacked: fine

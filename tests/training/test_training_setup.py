@@ -35,9 +35,10 @@ def test_cp_batch_with_labels_but_no_shift_labels_raises():
 
 def test_guard_is_idempotent():
     model = tiny_model("llama", attn_implementation="blockdiag_cp")
-    before = len(model._forward_pre_hooks)  # the package's model-level guards (attention/guards.py) have one
+    before = (len(model._forward_pre_hooks), len(model._forward_hooks))  # the import-time preparation's pair
+    assert before == (1, 1)
     assert bd.guard_model(bd.guard_model(model)) is model
-    assert len(model._forward_pre_hooks) == before + 1
+    assert (len(model._forward_pre_hooks), len(model._forward_hooks)) == before  # the same pair, now strict
 
 
 def _mesh_errors(rank: int, world: int) -> dict:

@@ -1,0 +1,107 @@
+"""Every private name of a third-party library the package relies on, in one place.
+
+Each entry has a test in tests/package/test_compat.py that fails when the upstream name or its
+behaviour changes; pyproject.toml bounds the dependencies to the versions those tests cover (torch 2.13,
+transformers 5.25, accelerate 1.16). This module imports no part of the package (it sits below every
+subpackage) and no optional or slow dependency: callers pass the objects in. The transformers methods
+the package wraps are listed, and tested, in :mod:`hf_blockdiag_cp.model.transformers_patches`.
+"""
+
+from __future__ import annotations
+
+import datetime
+import inspect
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.distributed_c10d import _resolve_process_group
+
+__all__ = ["CPU_FLASH_ATTENTION", "CPU_FLASH_ATTENTION_BACKWARD", "TRAINER_PRIVATE_METHODS", "accelerate_prepared",
+           "backend_options", "backend_timeouts", "check_trainer_internals", "forget_accelerate_prepared",
+           "forward_hooks", "resolve_process_group"]
+
+# ---- torch ----------------------------------------------------------------------------------------------
+
+#: ATen's CPU flash-attention forward ``(q, k, v, dropout_p, is_causal, attn_mask=None, scale=None) ->
+#: (out, logsumexp)`` on ``[B, H, L, D]`` inputs (``None`` where this torch build lacks it); kernels/sdpa_doc.py
+#: calls it to get the log-sum-exp that ``scaled_dot_product_attention`` does not return.
+CPU_FLASH_ATTENTION = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+#: Its backward ``(grad_out, q, k, v, out, logsumexp, dropout_p, is_causal, attn_mask=None, scale=None) ->
+#: (grad_q, grad_k, grad_v)``.
+CPU_FLASH_ATTENTION_BACKWARD = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu_backward", None)
+
+
+def forward_hooks(module: torch.nn.Module) -> tuple[list[Any], list[Any]]:
+    """The forward pre-hooks and forward hooks registered on ``module`` itself, in call order."""
+    return list(module._forward_pre_hooks.values()), list(module._forward_hooks.values())
+
+
+def backend_timeouts(group: Any) -> list[datetime.timedelta] | None:
+    """The timeout of each per-device backend of process group ``group``, or ``None`` when torch does
+    not expose them for it (torch 2.13 has no public getter: ``options._timeout`` of each backend)."""
+    try:
+        return [group._get_backend(torch.device(device)).options._timeout for device in group._device_types]
+    except (AttributeError, RuntimeError, ValueError):
+        return None
+
+
+def backend_options(backend: str, timeout: datetime.timedelta) -> Any:
+    """Options for a new ``backend`` (``"gloo"``/``"nccl"``) process group whose collectives time out after
+    ``timeout``; ``None`` for other backends or where the backend is not built."""
+    if backend == "gloo" and dist.is_gloo_available():
+        options = dist.ProcessGroupGloo._Options()
+    elif backend == "nccl" and dist.is_nccl_available():
+        options = dist.ProcessGroupNCCL.Options()
+    else:
+        return None
+    options._timeout = timeout
+    return options
+
+
+def resolve_process_group(name: str) -> Any:
+    """The live process group registered under ``name`` (raises ``KeyError``/``RuntimeError``/``ValueError``
+    when there is none)."""
+    return _resolve_process_group(name)
+
+
+# ---- transformers Trainer (training/trainer.py overrides or calls these) --------------------------------
+
+#: ``Trainer`` methods ``CPTrainer`` overrides or calls, with the parameters it relies on.
+TRAINER_PRIVATE_METHODS: dict[str, tuple[str, ...]] = {
+    # Every loader (train, eval, test) is built here; CPTrainer replaces it to shard over dp only.
+    "_get_dataloader": ("dataset", "description", "batch_size", "sampler_fn", "is_training", "dataloader_key"),
+    "_remove_unused_columns": ("dataset", "description"),
+    "_get_collator_with_removed_columns": ("data_collator", "description"),
+    "_get_num_items_in_batch": ("batch_samples", "device"),
+    "_prepare_inputs": ("inputs",),
+}
+
+
+def check_trainer_internals(trainer_cls: type) -> None:
+    """Raise ``ImportError`` if ``trainer_cls`` (``transformers.Trainer``) lacks a method of
+    :data:`TRAINER_PRIVATE_METHODS` or its parameters changed: an override nobody calls would let the
+    stock loaders shard CP batches over all processes without a word."""
+    for name, expected in TRAINER_PRIVATE_METHODS.items():
+        method = getattr(trainer_cls, name, None)
+        params = tuple(inspect.signature(method).parameters)[1:] if callable(method) else None
+        if params is None or params[:len(expected)] != expected:
+            raise ImportError(f"transformers.Trainer.{name}{'' if params is None else params} is not "
+                              f"{name}(self, {', '.join(expected)}) in this transformers version: CPTrainer relies on "
+                              "it; use a transformers version within the bounds in hf-blockdiag-cp's pyproject.toml")
+
+
+# ---- accelerate -----------------------------------------------------------------------------------------
+
+def accelerate_prepared(model: torch.nn.Module) -> bool:
+    """Whether accelerate marked ``model`` as prepared (``prepare_model`` sets ``_is_accelerate_prepared``)."""
+    return bool(getattr(model, "_is_accelerate_prepared", False))
+
+
+def forget_accelerate_prepared(accelerator: Any, model: torch.nn.Module) -> None:
+    """Undo what ``accelerator.prepare_model(model, evaluation_mode=True)`` recorded: the mark on the model
+    and its entry in ``accelerator._models``, so that a later ``prepare`` wraps it (DDP) again."""
+    if "_is_accelerate_prepared" in model.__dict__:
+        del model._is_accelerate_prepared
+    if model in accelerator._models:
+        accelerator._models.remove(model)

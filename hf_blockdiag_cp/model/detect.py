@@ -1,0 +1,157 @@
+"""What a whole model cannot do with packed rows, decided once from its structure, not in every layer.
+
+Three things make a model compute something other than block-diagonal attention whatever the
+attention function does, and transformers gives an attention function no way to see them:
+
+- layers that mix tokens besides attention (Mamba / gated-delta / linear-attention scans, causal
+  convolutions, RWKV, LSTM cells) carry state across document boundaries (:func:`packing_refusal`);
+- position embeddings counted from the row start (:func:`has_absolute_positions`: such a model needs
+  per-document ``position_ids``);
+- attention that never goes through ``AttentionInterface``: the model accepts
+  ``attn_implementation="blockdiag_cp"`` and runs its own attention over the whole row
+  (:func:`refuse_bypassing_model` at load time; the post-forward hook of :mod:`.prepare` at run time).
+
+Also the one test of whether a model uses this package's attention (:func:`uses_blockdiag_cp`) and the
+one error for a model that does not (:func:`require_blockdiag_cp`).
+"""
+
+from __future__ import annotations
+
+import inspect
+import re
+import sys
+
+import torch
+from transformers import PreTrainedModel
+
+from ..config import ATTN_IMPLEMENTATION
+
+__all__ = ["UnsupportedModel", "has_absolute_positions", "model_type", "packing_refusal", "refuse_bypassing_model",
+           "require_blockdiag_cp", "uses_blockdiag_cp"]
+
+#: Class-name patterns of token mixers other than attention (checked against every submodule).
+_MIXER_PATTERN = re.compile(
+    r"Mamba|Ssm|SSM|GatedDelta|DeltaNet|DeltaProduct|LinearAttention|LightningAttention|ShortConv|Rglru|RGLRU|"
+    r"RecurrentBlock|Rwkv|LSTM|Lstm|Retention|Hyena|KimiDelta|Recurrent(?!Gemma)")
+
+#: Module paths of other modalities' encoders (their convolutions run over audio/image features).
+_NON_TEXT_PATTERN = re.compile(r"(^|[._])(audio|vision|visual|image|speech|video)", re.IGNORECASE)
+
+
+class UnsupportedModel(NotImplementedError):
+    """The model cannot be computed exactly by blockdiag_cp for this batch (raised instead of computing
+    something else)."""
+
+
+def model_type(model: torch.nn.Module) -> str:
+    """``config.model_type``, else the class name (for messages)."""
+    config = getattr(model, "config", None)
+    return getattr(config, "model_type", None) or type(model).__name__
+
+
+def attn_implementation(model: torch.nn.Module) -> str | None:
+    """The attention implementation ``model``'s config names (``None``: no config, e.g. a plain module)."""
+    return getattr(getattr(model, "config", None), "_attn_implementation", None)
+
+
+def uses_blockdiag_cp(model: torch.nn.Module) -> bool:
+    """Whether ``model``'s attention is this package's (``attn_implementation="blockdiag_cp"``)."""
+    return attn_implementation(model) == ATTN_IMPLEMENTATION
+
+
+def require_blockdiag_cp(model: torch.nn.Module, consequence: str, *, allow_unknown: bool = False) -> None:
+    """Raise ``ValueError`` unless ``model`` uses ``attn_implementation="blockdiag_cp"``.
+
+    Args:
+        consequence: what would go wrong otherwise (completes "the model's attn_implementation is X: ...").
+        allow_unknown: accept a module without a config (its attention cannot be read).
+    """
+    implementation = attn_implementation(model)
+    if implementation == ATTN_IMPLEMENTATION or (allow_unknown and implementation is None):
+        return
+    raise ValueError(f"the model's attn_implementation is {implementation!r}: {consequence}; load it with "
+                     f"attn_implementation={ATTN_IMPLEMENTATION!r} or call model.set_attn_implementation"
+                     f"({ATTN_IMPLEMENTATION!r})")
+
+
+def packing_refusal(model: torch.nn.Module) -> str | None:
+    """Why ``model`` cannot run packed rows with more than one document (or CP shards), or ``None``."""
+    name_of_model = model_type(model)
+    for name, sub in model.named_modules():
+        if isinstance(sub, PreTrainedModel):  # the model classes themselves are named after the architecture
+            continue
+        if _NON_TEXT_PATTERN.search(name):  # encoders of other modalities do not see the packed text row
+            continue
+        kind = None
+        if isinstance(sub, torch.nn.Conv1d):
+            kind = "a convolution over the sequence"
+        elif _MIXER_PATTERN.search(type(sub).__name__):
+            kind = "a recurrent / state-space / linear-attention token mixer"
+        if kind is not None:
+            return (f"{name_of_model} has {type(sub).__name__} layers ({name}: {kind}) that carry state across the "
+                    "whole row whatever the attention does, so packed documents would leak into each other (and a "
+                    "context-parallel shard would lose the state of the previous shard); blockdiag_cp refuses rows "
+                    "with more than one document for it. Train it on one document per row without context "
+                    "parallelism")
+    offset = next((sub for sub in model.modules() if hasattr(type(sub), "create_position_ids_from_input_ids")), None)
+    if offset is not None:
+        return (f"{name_of_model}'s {type(offset).__name__} counts positions from padding_idx + 1 when it computes "
+                "them itself, while packing collators emit per-document position_ids from 0, so every position of a "
+                "packed row would be shifted; blockdiag_cp refuses rows with more than one document for it")
+    # Packed positions reach the embeddings only if some model class in the tree takes position_ids
+    # (WhisperForCausalLM forwards them through **kwargs to its decoder; BartDecoder has none).
+    takes_positions = any("position_ids" in inspect.signature(type(sub).forward).parameters
+                          for sub in model.modules() if isinstance(sub, PreTrainedModel))
+    if not takes_positions:
+        return (f"{name_of_model}'s forward takes no position_ids: its position embeddings count from the row start, "
+                "not from each packed document (and not from a context-parallel shard's offset); blockdiag_cp refuses "
+                "rows with more than one document for it")
+    return None
+
+
+def has_absolute_positions(model: torch.nn.Module) -> bool:
+    """Whether ``model`` adds learned/absolute position embeddings (it needs per-document ``position_ids``)."""
+    for name, sub in model.named_modules():
+        cls = type(sub).__name__
+        if "Rotary" in cls or "Rope" in cls:
+            continue
+        if re.search(r"Position(al)?Embedding", cls) or (
+                isinstance(sub, torch.nn.Embedding) and re.search(r"(^|\.)(wpe|embed_positions|position_embeddings)$",
+                                                                  name)):
+            return True
+    return False
+
+
+def _picks_attention_class_by_name(cls: type) -> bool:
+    """Whether ``cls``'s module looks its attention class up by implementation name
+    (``X_ATTENTION_CLASSES[config._attn_implementation]``), which only knows the stock names."""
+    module = sys.modules.get(cls.__module__)
+    try:
+        source = inspect.getsource(module) if module is not None else ""
+    except (OSError, TypeError):
+        return False
+    return re.search(r"ATTENTION_CLASSES\[\s*(self\.)?config\._attn_implementation\s*\]", source) is not None
+
+
+def refuse_bypassing_model(model: torch.nn.Module) -> None:
+    """Raise at load time if ``model``'s own code has attention layers that never call
+    ``AttentionInterface`` (transformers' own source heuristic, ``_can_set_attn_implementation``).
+
+    Composite (multimodal) wrappers are exempt: their vision/audio towers may run their own
+    attention while the text model they wrap calls the interface. Models the heuristic misses are
+    still caught at their first packed forward (the post-forward hook of :mod:`.prepare`).
+    """
+    config = getattr(model, "config", None)
+    try:
+        composite = config is not None and config.get_text_config() is not config
+    except (ValueError, AttributeError):
+        composite = True
+    can_set = getattr(type(model), "_can_set_attn_implementation", None)
+    by_name = _picks_attention_class_by_name(type(model))
+    if not by_name and (composite or can_set is None or can_set()):
+        return
+    raise UnsupportedModel(
+        f"{model_type(model)} ({type(model).__name__}) does not route attention through transformers' "
+        "AttentionInterface: its attention layers compute attention themselves (or pick a class by implementation "
+        "name), so attn_implementation='blockdiag_cp' would never be called and packed documents would attend to "
+        "each other; blockdiag_cp cannot serve this model")

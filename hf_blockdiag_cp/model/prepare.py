@@ -1,0 +1,195 @@
+"""The one owner of what this package installs on a model: a probe and one ordered pair of forward hooks.
+
+:func:`prepare_model` is called by the transformers integration (:mod:`.transformers_patches`: every
+model loaded with, or switched to, ``attn_implementation="blockdiag_cp"``), by
+:func:`~hf_blockdiag_cp.guard_model` (which turns on the strict checks) and by ``CPTrainer`` /
+``CPSFTTrainer``. Whatever calls it, in whatever order, a prepared model carries exactly:
+
+- a :class:`ForwardProbe` shared by all its submodules (the attention function counts its calls there);
+- one forward **pre-hook**, which in this order
+  1. *checks and fills* (strict models only, i.e. after ``guard_model``): :func:`~.batch.check_batch`
+     refuses a ``cp_context`` the model's attention would ignore or CP labels without ``shift_labels``,
+     then the missing ``position_ids`` are supplied from the ``cp_context``
+     (:func:`~.batch.context_position_ids`);
+  2. *refuses* (models using ``blockdiag_cp``) what cannot be computed from the arguments as filled: packed
+     rows for a model that mixes tokens outside attention (:func:`~.detect.packing_refusal`), a packed batch
+     without ``position_ids`` for a model with absolute position embeddings;
+- one forward **post-hook**: refuses a forward that carried packing information (``cp_context``,
+  ``cu_seq_lens_*``, packed ``position_ids``) in which the attention function was never called.
+
+Filling comes before refusing, so a GPT-2 (absolute positions) under ``guard_model`` gets its
+per-document positions instead of a refusal; a model that was only loaded with the attention name
+keeps refusing such a batch (nothing is filled without ``guard_model``).
+
+The outermost prepared model owns its tree: preparing a model that uses ``blockdiag_cp`` removes the
+pairs of the models nested in it (transformers prepares ``LlamaModel`` before ``LlamaForCausalLM``),
+taking over their strictness. :func:`unprepare_model` removes everything.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch.utils.hooks import RemovableHandle
+
+from ..compat import forward_hooks
+from .batch import arguments, check_batch, fill_position_ids, packing, positional_index
+from .detect import UnsupportedModel, has_absolute_positions, model_type, packing_refusal, uses_blockdiag_cp
+
+__all__ = ["PROBE_ATTR", "ForwardProbe", "Preparation", "mark_attention_call", "package_hooks", "prepare_model",
+           "unprepare_model"]
+
+PROBE_ATTR = "_blockdiag_cp_probe"
+#: Attribute of a prepared model holding its :class:`Preparation`.
+PREPARATION_ATTR = "_blockdiag_cp_preparation"
+
+
+@dataclass(eq=False)
+class ForwardProbe:
+    """Shared by every submodule of one model: counts attention calls, carries the model's refusal.
+
+    Attributes:
+        model_type: ``config.model_type`` (for messages).
+        refusal: why rows with more than one document (or a CP shard) would be computed wrongly.
+        absolute_positions: the model adds learned/absolute position embeddings (``position_ids`` needed).
+        attention_calls: calls of the ``"blockdiag_cp"`` attention function by this model's layers.
+        starts: ``attention_calls`` at the start of the forward of each hooked module (by ``id``).
+    """
+
+    model_type: str
+    refusal: str | None = None
+    absolute_positions: bool = False
+    attention_calls: int = 0
+    starts: dict[int, int] = field(default_factory=dict)
+
+
+@dataclass(eq=False)
+class Preparation:
+    """What :func:`prepare_model` installed on one model.
+
+    Attributes:
+        strict: run the user-level checks and fill ``position_ids`` (turned on by ``guard_model``).
+        position_arg: index of ``position_ids`` among the forward's positional parameters, if any.
+        handles: the pre- and post-hook, in that order.
+    """
+
+    strict: bool
+    position_arg: int | None
+    handles: tuple[RemovableHandle, RemovableHandle]
+
+
+def mark_attention_call(module: torch.nn.Module) -> None:
+    """Record that ``module`` called the attention function (one dict read, no tensor access)."""
+    probe = module.__dict__.get(PROBE_ATTR)
+    if probe is not None:
+        probe.attention_calls += 1
+
+
+def prepare_model(model: torch.nn.Module, *, strict: bool = False) -> torch.nn.Module:
+    """Install (or refresh) the probe and the one ordered hook pair on ``model``; returns ``model``.
+
+    Idempotent: a second call refreshes the probe's findings and keeps the same pair. ``strict=True``
+    turns on the strict checks (see the module docstring); a later call with ``strict=False`` keeps them.
+    """
+    probe = next((m.__dict__[PROBE_ATTR] for m in model.modules() if PROBE_ATTR in m.__dict__), None)
+    if probe is None:
+        probe = ForwardProbe(model_type=model_type(model))
+    probe.model_type = model_type(model)
+    probe.refusal = packing_refusal(model)
+    probe.absolute_positions = has_absolute_positions(model)
+    for sub in model.modules():
+        sub.__dict__[PROBE_ATTR] = probe
+    if uses_blockdiag_cp(model):  # its hooks refuse for the whole tree: the nested models' pairs go
+        for sub in list(model.modules())[1:]:
+            nested = sub.__dict__.pop(PREPARATION_ATTR, None)
+            if nested is not None:
+                strict = strict or nested.strict
+                _remove(nested)
+    own = model.__dict__.get(PREPARATION_ATTR)
+    if own is not None:
+        own.strict = own.strict or strict
+        return model
+    handles = (model.register_forward_pre_hook(_pre_forward, with_kwargs=True),
+               model.register_forward_hook(_post_forward, with_kwargs=True))
+    model.__dict__[PREPARATION_ATTR] = Preparation(strict, positional_index(model, "position_ids"), handles)
+    return model
+
+
+def unprepare_model(model: torch.nn.Module) -> torch.nn.Module:
+    """Remove everything :func:`prepare_model` installed on ``model`` and the modules in it; returns ``model``.
+
+    Loading or switching a model to ``blockdiag_cp`` again prepares it again.
+    """
+    for sub in model.modules():
+        preparation = sub.__dict__.pop(PREPARATION_ATTR, None)
+        if preparation is not None:
+            _remove(preparation)
+        sub.__dict__.pop(PROBE_ATTR, None)
+    return model
+
+
+def package_hooks(model: torch.nn.Module) -> tuple[list[Any], list[Any]]:
+    """The package's forward pre-hooks and post-hooks registered on ``model`` itself (for checks and tests)."""
+    pre, post = forward_hooks(model)
+    return [hook for hook in pre if hook is _pre_forward], [hook for hook in post if hook is _post_forward]
+
+
+def _remove(preparation: Preparation) -> None:
+    for handle in preparation.handles:
+        handle.remove()
+
+
+def _pre_forward(module: torch.nn.Module, args: tuple,
+                 kwargs: dict[str, Any]) -> tuple[tuple, dict[str, Any]] | None:
+    """Fill (strict models), then refuse (models using blockdiag_cp): see the module docstring."""
+    preparation: Preparation | None = module.__dict__.get(PREPARATION_ATTR)
+    probe: ForwardProbe | None = module.__dict__.get(PROBE_ATTR)
+    if preparation is None or probe is None:
+        return None
+    filled = None
+    if preparation.strict:
+        check_batch(module, kwargs)
+        filled = fill_position_ids(preparation.position_arg, args, kwargs)
+        if filled is not None:
+            args, kwargs = filled
+    if uses_blockdiag_cp(module):
+        probe.starts[id(module)] = probe.attention_calls
+        _refuse(module, probe, args, kwargs)
+    return filled
+
+
+def _refuse(module: torch.nn.Module, probe: ForwardProbe, args: tuple, kwargs: dict[str, Any]) -> None:
+    """Raise :class:`UnsupportedModel` for a batch the model cannot compute exactly (reads tensor values only
+    for models with a refusal or absolute positions)."""
+    if probe.refusal is None and not probe.absolute_positions:
+        return
+    named = arguments(module, args, kwargs)
+    if probe.refusal is not None:
+        found = packing(named)
+        if found is not None:
+            raise UnsupportedModel(f"blockdiag_cp cannot compute this batch ({found}) exactly: {probe.refusal}")
+    elif named.get("position_ids") is None and (named.get("cu_seq_lens_q") is not None
+                                                 or named.get("cp_context") is not None):
+        raise UnsupportedModel(
+            f"{probe.model_type} adds absolute position embeddings but this packed batch has no position_ids: every "
+            "document after the first would get the positions of its place in the row; pass the per-document "
+            "position_ids (PackingCollator and DataCollatorWithFlattening emit them), or call "
+            "hf_blockdiag_cp.guard_model(model) to have them supplied from the cp_context")
+
+
+def _post_forward(module: torch.nn.Module, args: tuple, kwargs: dict[str, Any], output: Any) -> None:
+    """Refuse a forward with packing information in which the attention function never ran."""
+    probe: ForwardProbe | None = module.__dict__.get(PROBE_ATTR)
+    if probe is None or not uses_blockdiag_cp(module):
+        return
+    start = probe.starts.pop(id(module), None)
+    if start is None or probe.attention_calls != start:
+        return
+    found = packing(arguments(module, args, kwargs))
+    if found is not None:
+        raise UnsupportedModel(
+            f"{probe.model_type} does not call its attention through transformers' AttentionInterface: it accepted "
+            f"attn_implementation='blockdiag_cp' but never called it in a forward with {found}, so its own "
+            "attention attended across documents; blockdiag_cp cannot serve this model")

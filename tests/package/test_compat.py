@@ -1,0 +1,157 @@
+"""Every third-party private name in hf_blockdiag_cp/compat.py still exists and behaves as the package
+assumes (one test per entry): an upgrade that renames or changes one fails here, not in a user's run."""
+
+from __future__ import annotations
+
+import datetime
+import math
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from hf_blockdiag_cp import compat
+
+
+# ---- torch: the CPU flash-attention ops (kernels/sdpa_doc.py) ----------------------------------------------
+
+def _qkv(requires_grad: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(0)
+    return tuple(torch.randn(1, 2, 6, 8, generator=gen, requires_grad=requires_grad) for _ in range(3))
+
+
+def _reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float):
+    """Float64 attention output and log-sum-exp by brute force."""
+    scores = (q.double() @ k.double().transpose(-1, -2)) * scale
+    if causal:
+        scores = scores.masked_fill(torch.ones(6, 6, dtype=torch.bool).triu(1), float("-inf"))
+    return torch.softmax(scores, -1) @ v.double(), torch.logsumexp(scores, -1)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_cpu_flash_attention_returns_output_and_logsumexp(causal):
+    assert compat.CPU_FLASH_ATTENTION is not None, "torch.ops.aten._scaled_dot_product_flash_attention_for_cpu is gone"
+    q, k, v = _qkv()
+    out, lse = compat.CPU_FLASH_ATTENTION(q, k, v, 0.0, causal, scale=0.3)[:2]
+    ref_out, ref_lse = _reference(q, k, v, causal, 0.3)
+    torch.testing.assert_close(out.double(), ref_out, atol=1e-5, rtol=0)
+    torch.testing.assert_close(lse.double(), ref_lse, atol=1e-5, rtol=0)
+
+
+def test_cpu_flash_attention_backward_gives_the_gradients():
+    assert compat.CPU_FLASH_ATTENTION_BACKWARD is not None
+    q, k, v = _qkv(requires_grad=True)
+    grad_out = torch.randn(1, 2, 6, 8, generator=torch.Generator().manual_seed(1))
+    out, lse = compat.CPU_FLASH_ATTENTION(q.detach(), k.detach(), v.detach(), 0.0, True, scale=0.3)[:2]
+    grads = compat.CPU_FLASH_ATTENTION_BACKWARD(grad_out, q.detach(), k.detach(), v.detach(), out, lse, 0.0, True,
+                                                scale=0.3)
+    torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, scale=0.3).backward(grad_out)
+    for got, tensor in zip(grads[:3], (q, k, v)):
+        torch.testing.assert_close(got, tensor.grad, atol=1e-5, rtol=0)
+
+
+# ---- torch: module hook dictionaries (model/prepare.py) ---------------------------------------------------
+
+def test_forward_hooks_lists_the_hooks_registered_on_a_module():
+    module = torch.nn.Linear(2, 2)
+
+    def pre(m, a):
+        return None
+
+    def post(m, a, o):
+        return None
+
+    module.register_forward_pre_hook(pre)
+    handle = module.register_forward_hook(post)
+    assert compat.forward_hooks(module) == ([pre], [post])
+    handle.remove()
+    assert compat.forward_hooks(module) == ([pre], [])
+
+
+# ---- torch.distributed: process-group timeouts and names (distributed/groups.py) --------------------------
+
+@pytest.fixture
+def single_process_group(tmp_path):
+    if dist.is_initialized():
+        pytest.skip("a process group is already initialised in this process")
+    store = dist.FileStore(str(tmp_path / "store"), 1)
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1, timeout=datetime.timedelta(seconds=123))
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def test_backend_timeouts_read_the_default_groups_timeout(single_process_group):
+    found = compat.backend_timeouts(dist.group.WORLD)  # one entry per device type gloo serves (cpu, cuda)
+    assert found and set(found) == {datetime.timedelta(seconds=123)}, found
+    assert compat.backend_timeouts(object()) is None  # not a process group: None, no error
+
+
+def test_backend_options_set_a_new_groups_timeout(single_process_group):
+    """torch's device mesh reads the options' timeout (``pg_options._timeout``) for the groups it creates."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    options = compat.backend_options("gloo", datetime.timedelta(seconds=77))
+    assert options is not None and compat.backend_options("mpi-like", datetime.timedelta(seconds=1)) is None
+    mesh = init_device_mesh("cpu", (1, 1), mesh_dim_names=("dp", "cp"),
+                            backend_override={"dp": ("gloo", options), "cp": ("gloo", options)})
+    found = compat.backend_timeouts(mesh["cp"].get_group())
+    assert found and set(found) == {datetime.timedelta(seconds=77)}, found
+
+
+def test_resolve_process_group_finds_a_group_by_name(single_process_group):
+    group = dist.new_group(ranks=[0], backend="gloo")
+    assert compat.resolve_process_group(group.group_name) is group
+    with pytest.raises((KeyError, RuntimeError, ValueError)):
+        compat.resolve_process_group("no-such-group")
+
+
+# ---- transformers Trainer (training/trainer.py) -----------------------------------------------------------
+
+def test_trainer_has_the_private_methods_cptrainer_relies_on():
+    from transformers import Trainer
+
+    compat.check_trainer_internals(Trainer)
+
+    class Renamed:
+        def _get_data_loader(self, dataset, description, batch_size, sampler_fn=None, is_training=False,
+                             dataloader_key=None):
+            return None
+
+    with pytest.raises(ImportError, match="Trainer._get_dataloader"):
+        compat.check_trainer_internals(Renamed)
+
+
+def test_trainer_builds_every_loader_through_get_dataloader(tmp_path):
+    from transformers import Trainer, TrainingArguments
+
+    from tests.reference import tiny_model
+
+    seen = []
+
+    class Spy(Trainer):
+        def _get_dataloader(self, dataset, description, *args, **kwargs):
+            seen.append(description)
+            return super()._get_dataloader(dataset, description, *args, **kwargs)
+
+    rows = [{"input_ids": torch.arange(1, 5), "labels": torch.arange(1, 5)}] * 2
+    trainer = Spy(model=tiny_model("llama"), train_dataset=rows, eval_dataset=rows,
+                  args=TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to=[]))
+    trainer.get_train_dataloader()
+    trainer.get_eval_dataloader()
+    trainer.get_test_dataloader(rows)
+    assert [d.lower() for d in seen] == ["training", "evaluation", "test"]
+
+
+# ---- accelerate (training/trainer.py) ----------------------------------------------------------------------
+
+def test_accelerate_prepared_mark_and_models_list_are_undone():
+    from accelerate import Accelerator
+
+    accelerator, model = Accelerator(cpu=True), torch.nn.Linear(2, 2)
+    accelerator.prepare_model(model, evaluation_mode=True)
+    assert compat.accelerate_prepared(model) and model in accelerator._models
+    compat.forget_accelerate_prepared(accelerator, model)
+    assert not compat.accelerate_prepared(model) and model not in accelerator._models
+    assert math.isfinite(float(model(torch.ones(1, 2)).detach().sum()))  # the model itself is untouched
