@@ -99,6 +99,8 @@ def _plan_mismatch(plans: list[int], fields: list[list[int]]) -> str:
                  if len({row[i] for row in fields}) > 1]
     requested = [(name, values) for name, values in differing if name in _REQUESTS]
     differing = requested or differing  # a different request explains the derived differences
+    if any(name == "placement" for name, _ in differing):  # only a balanced placement has a tolerance
+        differing = [(name, values) for name, values in differing if name != "balance_tolerance" or -1 not in values]
     if not differing:  # a rank without per-field fingerprints (a hand-made context): only the hashes
         return (f"CP ranks planned different K/V exchanges this step (fingerprints {plans}); check that every "
                 "rank uses the same BlockDiagCPConfig (placement, balance_tolerance, kv_exchange, backend) and cp_size")
