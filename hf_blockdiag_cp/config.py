@@ -103,7 +103,8 @@ class BlockDiagCPConfig:
         collective_timeout_s: bound on every collective this package issues (rank agreement, K/V
             exchange), so that a rank whose peer failed raises a clear error instead of hanging. The
             process groups of training (DDP/FSDP collectives, the mesh) are bounded by
-            :attr:`process_group_timeout` (this plus a margin): see ``init_device_mesh``.
+            :attr:`process_group_timeout` (this plus a margin): see ``init_device_mesh``. At least
+            1 ms (gloo and NCCL count whole milliseconds; 0 ms would mean no timeout).
             Env: ``HF_BLOCKDIAG_CP_COLLECTIVE_TIMEOUT_S``.
         disabled_backends: backends this process must not use (e.g. a kernel known to be broken on
             one machine); the rank agreement makes every rank avoid them together.
