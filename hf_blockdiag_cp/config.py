@@ -130,7 +130,8 @@ class BlockDiagCPConfig:
 
     def __post_init__(self) -> None:
         if not isinstance(self.backend, str) or self.backend.lower() not in BACKENDS:
-            raise ValueError(f"backend={self.backend!r} (env {ENV_VARS['backend']}) is not one of {', '.join(BACKENDS)}")
+            raise ValueError(f"backend={self.backend!r} (env {ENV_VARS['backend']}) is not one of "
+                             f"{', '.join(BACKENDS)}")
         if not isinstance(self.kv_exchange, str) or self.kv_exchange.lower() not in KV_EXCHANGES:
             raise ValueError(f"kv_exchange={self.kv_exchange!r} (env {ENV_VARS['kv_exchange']}) is not one of "
                              f"{', '.join(KV_EXCHANGES)}")

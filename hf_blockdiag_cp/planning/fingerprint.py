@@ -80,5 +80,7 @@ def describe_plan_field(name: str, value: int) -> str:
     if choices is not None:
         return repr(choices[value]) if 0 <= value < len(choices) else f"another (hash {value:#x})"
     if name == "balance_tolerance":
-        return "n/a (placement not balanced)" if value == -1 else f"{struct.unpack('<d', struct.pack('<q', value))[0]:g}"
+        if value == -1:
+            return "n/a (placement not balanced)"
+        return f"{struct.unpack('<d', struct.pack('<q', value))[0]:g}"
     return f"hash {value:#x}"

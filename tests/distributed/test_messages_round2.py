@@ -117,7 +117,8 @@ def test_same_config_gives_the_same_plan_fingerprint_on_every_rank_and_pickles()
     assert isinstance(c, PlanFingerprint) and c == a and c.fields == a.fields
     # The tolerance of a non-balanced placement is not compared (it shapes nothing).
     x, y = (BlockDiagCPContext.build(DOCS, cp_rank=0, cp_size=2, placement="contiguous",
-                                     config=BlockDiagCPConfig(balance_tolerance=t)).plan_fingerprint for t in (0.0, 1.0))
+                                     config=BlockDiagCPConfig(balance_tolerance=t)).plan_fingerprint
+            for t in (0.0, 1.0))
     assert x == y
 
 
@@ -148,7 +149,8 @@ def test_message_of_the_planned_size_passes(strategy):
 @pytest.mark.parametrize("strategy", ["allgather", "halo", "a2a"])
 def test_message_cut_from_other_rows_is_refused_before_sending(strategy):
     ex, local = _exchange(strategy)
-    with pytest.raises(ExchangeSizeError, match=f"CP rank 0: .*{local - 3}, 96.*plan gives this rank {local} local rows"):
+    with pytest.raises(ExchangeSizeError,
+                       match=f"CP rank 0: .*{local - 3}, 96.*plan gives this rank {local} local rows"):
         check_message(torch.zeros(local - 3, 96), ex)
 
 
@@ -163,7 +165,8 @@ def test_message_of_another_width_or_dtype_than_agreed_is_refused():
 def test_splits_that_do_not_fit_the_peers_are_refused_naming_rank_and_peer():
     ex, local = _exchange("a2a")
     bad = dataclasses.replace(ex.transfer, send_splits=(0, local + 1))
-    with pytest.raises(ExchangeSizeError, match=f"CP rank 0: .*sends {local + 1} rows to rank 1, more than its {local}"):
+    with pytest.raises(ExchangeSizeError,
+                       match=f"CP rank 0: .*sends {local + 1} rows to rank 1, more than its {local}"):
         check_message(torch.zeros(local, 8), dataclasses.replace(ex, transfer=bad))
     ex, local = _exchange("halo", rank=1)
     bad = dataclasses.replace(ex.transfer, send_splits=(4, 0))
