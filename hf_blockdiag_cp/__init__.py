@@ -16,7 +16,7 @@ from .attention import ATTN_IMPLEMENTATION, BlockDiagMask, blockdiag_attention, 
 from .config import BACKENDS, KV_EXCHANGES, PLACEMENTS, BlockDiagCPConfig
 from .attention.cp import CPKernelError
 from .context import BlockDiagCPContext
-from .distributed import AgreementError, CollectiveError
+from .distributed import AgreementError, CollectiveError, ExchangeSizeError
 from .kernels import BackendUnavailable
 from .data import PackedDataset, PackedRow, PackingCollator, from_flattened, sliding_windows
 from .planning import PlanError, VarlenPlan, build_varlen_plan
@@ -41,6 +41,7 @@ __all__ = [
     "CPKernelError",
     "CPSFTTrainer",
     "CollectiveError",
+    "ExchangeSizeError",
     "ATTN_IMPLEMENTATION",
     "BACKENDS",
     "BlockDiagCPConfig",

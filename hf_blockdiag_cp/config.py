@@ -39,6 +39,9 @@ ENV_VARS: dict[str, str] = {
 #: Longest collective timeout accepted (a year): ``datetime.timedelta`` and the process-group
 #: timeouts overflow on larger values such as ``inf``.
 _MAX_TIMEOUT_S = 365 * 24 * 3600.0
+#: Shortest collective timeout accepted: torch hands timeouts to gloo/NCCL as whole milliseconds
+#: (``work.wait(timedelta)`` truncates), and 0 ms there means *no timeout* — 0.0005 s would wait forever.
+_MIN_TIMEOUT_S = 1e-3
 
 #: Process groups wait this much longer than the package's own collectives (at least
 #: ``_PG_MARGIN_MIN_S`` seconds, else this fraction of ``collective_timeout_s``): a stall inside a CP
@@ -103,7 +106,8 @@ class BlockDiagCPConfig:
         collective_timeout_s: bound on every collective this package issues (rank agreement, K/V
             exchange), so that a rank whose peer failed raises a clear error instead of hanging. The
             process groups of training (DDP/FSDP collectives, the mesh) are bounded by
-            :attr:`process_group_timeout` (this plus a margin): see ``init_device_mesh``.
+            :attr:`process_group_timeout` (this plus a margin): see ``init_device_mesh``. At least
+            1 ms (gloo and NCCL count whole milliseconds; 0 ms would mean no timeout).
             Env: ``HF_BLOCKDIAG_CP_COLLECTIVE_TIMEOUT_S``.
         disabled_backends: backends this process must not use (e.g. a kernel known to be broken on
             one machine); the rank agreement makes every rank avoid them together.
@@ -129,9 +133,11 @@ class BlockDiagCPConfig:
 
     def __post_init__(self) -> None:
         if not isinstance(self.backend, str) or self.backend.lower() not in BACKENDS:
-            raise ValueError(f"backend={self.backend!r} is not one of {', '.join(BACKENDS)}")
+            raise ValueError(f"backend={self.backend!r} (env {ENV_VARS['backend']}) is not one of "
+                             f"{', '.join(BACKENDS)}")
         if not isinstance(self.kv_exchange, str) or self.kv_exchange.lower() not in KV_EXCHANGES:
-            raise ValueError(f"kv_exchange={self.kv_exchange!r} is not one of {', '.join(KV_EXCHANGES)}")
+            raise ValueError(f"kv_exchange={self.kv_exchange!r} (env {ENV_VARS['kv_exchange']}) is not one of "
+                             f"{', '.join(KV_EXCHANGES)}")
         if not isinstance(self.placement, str) or self.placement.lower() not in PLACEMENTS:
             raise ValueError(f"placement={self.placement!r} (env {ENV_VARS['placement']}) is not one of "
                              f"{', '.join(PLACEMENTS)}")
@@ -142,15 +148,22 @@ class BlockDiagCPConfig:
                              "number in [0, 10)")
         object.__setattr__(self, "backend", self.backend.lower())
         object.__setattr__(self, "kv_exchange", self.kv_exchange.lower())
-        disabled = tuple(name.lower() for name in self.disabled_backends)
+        names = self.disabled_backends
+        if isinstance(names, str) or not all(isinstance(name, str) for name in names):
+            raise TypeError(f"disabled_backends={names!r} (env {ENV_VARS['disabled_backends']}) must be a tuple of "
+                            "backend names")
+        disabled = tuple(name.lower() for name in names)
         unknown = [name for name in disabled if name not in BACKENDS or name == "auto"]
         if unknown:
-            raise ValueError(f"disabled_backends={unknown!r} are not backend names ({', '.join(BACKENDS[1:])})")
+            raise ValueError(f"disabled_backends={unknown!r} (env {ENV_VARS['disabled_backends']}) are not backend "
+                             f"names ({', '.join(BACKENDS[1:])})")
         object.__setattr__(self, "disabled_backends", disabled)
         timeout = self.collective_timeout_s
-        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout <= _MAX_TIMEOUT_S:
+        if (isinstance(timeout, bool) or not isinstance(timeout, (int, float))
+                or not _MIN_TIMEOUT_S <= timeout <= _MAX_TIMEOUT_S):
             raise ValueError(f"collective_timeout_s={timeout!r} (env {ENV_VARS['collective_timeout_s']}) must be a "
-                             f"number of seconds in (0, {_MAX_TIMEOUT_S:.0f}]")
+                             f"number of seconds in [{_MIN_TIMEOUT_S:g}, {_MAX_TIMEOUT_S:.0f}] (gloo and NCCL count "
+                             "whole milliseconds, and 0 ms means no timeout at all)")
 
     @property
     def process_group_timeout(self) -> datetime.timedelta:

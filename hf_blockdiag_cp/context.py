@@ -25,7 +25,7 @@ from .distributed.groups import GroupRef, group_to_ref, ref_to_group
 from .planning import PlanError, VarlenPlan, as_doc_ids, build_varlen_plan
 from .planning.exchange import ExchangePlan, plan_exchange
 from .planning.placement import Placement, make_placement
-from .planning.fingerprint import fingerprint
+from .planning.fingerprint import fingerprint, plan_fingerprint
 
 __all__ = ["BlockDiagCPContext"]
 
@@ -152,11 +152,13 @@ class BlockDiagCPContext:
         plan, exchange = plans(None)
         window_plans = {w: plans(w) for w in windows}
         local_index = placement.index[cp_rank]
-        summary = repr((cp_size, local_len, config.backend, placement.kind,
-                        [(w, str(ex.strategy)) for w, (_, ex) in [(None, (plan, exchange)), *window_plans.items()]]))
+        # Per-field plan fingerprint (issue 17): the agreement can then name the field ranks differ in.
+        planned = [(None, exchange), *((w, ex) for w, (_, ex) in window_plans.items())]
+        plan_fp = plan_fingerprint(config, cp_size=cp_size, placement_kind=placement.kind,
+                                   placement_rows=placement.index, windows=[w for w, _ in planned],
+                                   strategies=[str(ex.strategy) for _, ex in planned])
         return cls(row_offset=int(local_index[0]), local_index=local_index, plan=plan, exchange=exchange,
-                   placement=placement, window_plans=window_plans,
-                   plan_fingerprint=fingerprint(summary.encode(), placement.index.numpy().tobytes()), **common)
+                   placement=placement, window_plans=window_plans, plan_fingerprint=plan_fp, **common)
 
     def plans_for(self, window: int | None) -> tuple[VarlenPlan, ExchangePlan | None]:
         """The varlen and exchange plans of a layer with sliding ``window`` (the full ones if that

@@ -12,13 +12,21 @@ gradients of the received rows back to their owners and accumulates them, so eve
 gradient is the sum over all ranks that used its rows.
 
 Every collective is issued asynchronously and waited on with the config's timeout, so a rank
-whose peer died raises a clear error instead of hanging.
+whose peer died raises a clear error instead of hanging. Before a message leaves, its size is checked
+against the plan (:func:`check_message`): collectives pair by order and gloo accepts a shorter message
+into a larger buffer, so a mismatch is refused on the host instead of being received as garbage.
+
+A group whose collective failed or timed out is recorded as broken (:func:`mark_broken`, this module
+owns the record); the next collective this package would issue on it raises :class:`CollectiveError`
+at once (:func:`check_usable`) instead of entering gloo/NCCL again, where a group left mid-collective
+can abort the process (SIGABRT) or pair with stale messages.
 """
 
 from __future__ import annotations
 
 import datetime
 import time
+import weakref
 from dataclasses import dataclass, field
 
 import torch
@@ -26,7 +34,8 @@ import torch.distributed as dist
 
 from ..planning.exchange import RankTransfer, Strategy
 
-__all__ = ["CollectiveError", "CommStats", "RankExchange", "exchange_kv", "wait"]
+__all__ = ["CollectiveError", "CommStats", "ExchangeSizeError", "RankExchange", "check_message", "check_usable",
+           "exchange_kv", "mark_broken", "wait"]
 
 
 # torch 2.13 renamed the single-tensor collectives (the old names warn); older torch has only those.
@@ -35,7 +44,47 @@ reduce_scatter_single = getattr(dist, "reduce_scatter_single", dist.reduce_scatt
 
 
 class CollectiveError(RuntimeError):
-    """A collective of the CP group failed or timed out (usually: a peer rank failed first)."""
+    """A collective of the CP group failed or timed out (usually: a peer rank failed first).
+
+    The group is unusable afterwards: every later collective of this package on it raises this error
+    again at once. Catching it and going on cannot work; end the job and restart it (e.g. from the
+    last checkpoint)."""
+
+
+class ExchangeSizeError(ValueError):
+    """A K/V message does not have the size the plan gives its receiver (raised before it is sent)."""
+
+
+#: What happened to each broken group: group -> description of the failure. The one record of broken
+#: groups, owned by this module (weak keys: a destroyed group is forgotten with it).
+_BROKEN: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+_UNUSABLE = ("the CP process group cannot be used again after a failed collective (its peers are in an "
+             "unknown state): do not catch this error and go on; end the job and restart it (e.g. from the "
+             "last checkpoint)")
+
+
+def _group_key(group):
+    return dist.group.WORLD if group is None else group
+
+
+def mark_broken(group, failure: str) -> None:
+    """Record that a collective of ``group`` failed (``failure`` says which, on which rank)."""
+    try:
+        _BROKEN.setdefault(_group_key(group), failure)
+    except TypeError:  # a stand-in that cannot be weakly referenced (tests' fakes): nothing to record
+        pass
+
+
+def check_usable(group, what: str, rank: int) -> None:
+    """Raise :class:`CollectiveError` if ``group`` already had a failed collective (host-side lookup)."""
+    try:
+        failure = _BROKEN.get(_group_key(group))
+    except TypeError:
+        return
+    if failure is not None:
+        raise CollectiveError(f"CP rank {rank}: refusing to start the {what}: this CP group failed earlier "
+                              f"({failure}); {_UNUSABLE}")
 
 
 @dataclass
@@ -72,6 +121,9 @@ class RankExchange:
         timeout: how long a collective may take.
         group: the CP process group.
         stats: where moved bytes are recorded (``None``: not recorded).
+        row_width / dtype: the fused K|V row width ``W`` and dtype every rank of the group uses in this
+            forward, when the ranks agreed on them; :func:`check_message` then refuses other messages
+            (``None``: only the row counts, which the plan fixes on every rank, are checked).
     """
 
     transfer: RankTransfer
@@ -81,6 +133,8 @@ class RankExchange:
     timeout: datetime.timedelta
     group: object
     stats: CommStats | None = None
+    row_width: int | None = None
+    dtype: torch.dtype | None = None
 
     @property
     def rank(self) -> int:
@@ -90,13 +144,26 @@ class RankExchange:
     def recv_rows(self) -> int:
         return self.transfer.recv_rows
 
+    @property
+    def local_rows(self) -> int:
+        """``L``: the rank's own K/V rows (its buffer holds ``recv_rows`` received rows before them)."""
+        return self.transfer.buffer_positions.numel() - self.transfer.recv_rows
+
 
 def _nbytes(t: torch.Tensor | None, copies: int = 1) -> int:
     return 0 if t is None else copies * t.numel() * t.element_size()
 
 
-def wait(work, what: str, rank: int, timeout: datetime.timedelta) -> None:
-    """Wait for an async collective, turning failures and timeouts into :class:`CollectiveError`."""
+def _failed(group, rank: int, what: str, cause: str, err: BaseException | None = None) -> CollectiveError:
+    """Record ``group`` as broken and build the error for it."""
+    mark_broken(group, f"the {what} on CP rank {rank} {cause}")
+    detail = f" ({type(err).__name__}: {err})" if err is not None else ""
+    return CollectiveError(f"CP rank {rank}: {what} {cause}{detail}; {_UNUSABLE}")
+
+
+def wait(work, what: str, rank: int, timeout: datetime.timedelta, *, group) -> None:
+    """Wait for an async collective of ``group``, turning failures and timeouts into :class:`CollectiveError`
+    (and recording ``group`` as broken)."""
     limit = timeout.total_seconds()
     start = time.monotonic()
     try:
@@ -104,13 +171,12 @@ def wait(work, what: str, rank: int, timeout: datetime.timedelta) -> None:
     except Exception as err:  # gloo/NCCL raise RuntimeError subclasses with transport details
         # gloo reports its own timeout as an exception ("Operation timed out!"), not as False.
         if time.monotonic() - start >= limit:
-            raise CollectiveError(f"CP rank {rank}: {what} did not finish within {limit:g} s "
-                                  f"({type(err).__name__}: {err}); a peer rank stalled or failed — see its log") from err
-        raise CollectiveError(f"CP rank {rank}: {what} failed ({type(err).__name__}: {err}); "
-                              "a peer rank most likely failed first — see its log") from err
+            raise _failed(group, rank, what, f"did not finish within {limit:g} s: a peer rank stalled or failed "
+                          "(see its log)", err) from err
+        raise _failed(group, rank, what, "failed: a peer rank most likely failed first (see its log)", err) from err
     if ok is False:
-        raise CollectiveError(f"CP rank {rank}: {what} did not finish within {limit:g} s; a peer rank stalled or "
-                              "failed — see its log")
+        raise _failed(group, rank, what, f"did not finish within {limit:g} s: a peer rank stalled or failed "
+                      "(see its log)")
 
 
 def _p2p(ops: list[tuple[str, torch.Tensor, int]], ex: RankExchange, what: str) -> None:
@@ -121,10 +187,10 @@ def _p2p(ops: list[tuple[str, torch.Tensor, int]], ex: RankExchange, what: str) 
     try:
         works = dist.batch_isend_irecv(p2p)
     except Exception as err:  # gloo raises here (not in wait) when a peer's connection is gone
-        raise CollectiveError(f"CP rank {ex.rank}: {what} failed ({type(err).__name__}: {err}); "
-                              "a peer rank most likely failed first — see its log") from err
+        raise _failed(ex.group, ex.rank, what, "failed: a peer rank most likely failed first (see its log)",
+                      err) from err
     for work in works:
-        wait(work, what, ex.rank, ex.timeout)
+        wait(work, what, ex.rank, ex.timeout, group=ex.group)
 
 
 class _AllGather(torch.autograd.Function):
@@ -133,7 +199,7 @@ class _AllGather(torch.autograd.Function):
         kv = kv.contiguous()
         out = kv.new_empty(ex.size * kv.shape[0], kv.shape[1])
         work = all_gather_single(out, kv, group=ex.group, async_op=True)
-        wait(work, "K/V all-gather", ex.rank, ex.timeout)
+        wait(work, "K/V all-gather", ex.rank, ex.timeout, group=ex.group)
         ctx.ex = ex
         if ex.stats is not None:
             ex.stats.record("forward", _nbytes(kv, ex.size - 1), _nbytes(kv, ex.size - 1))
@@ -142,10 +208,11 @@ class _AllGather(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
         ex: RankExchange = ctx.ex
+        check_usable(ex.group, "K/V gradient exchange", ex.rank)
         grad = grad.contiguous()
         out = grad.new_empty(grad.shape[0] // ex.size, grad.shape[1])
         work = reduce_scatter_single(out, grad, op=dist.ReduceOp.SUM, group=ex.group, async_op=True)
-        wait(work, "K/V gradient reduce-scatter", ex.rank, ex.timeout)
+        wait(work, "K/V gradient reduce-scatter", ex.rank, ex.timeout, group=ex.group)
         if ex.stats is not None:
             ex.stats.record("backward", _nbytes(out, ex.size - 1), _nbytes(out, ex.size - 1))
         return out, None
@@ -171,6 +238,7 @@ class _Halo(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
         ex: RankExchange = ctx.ex
+        check_usable(ex.group, "K/V gradient exchange", ex.rank)
         send, recv = ctx.send, ex.recv_rows
         grad_local = grad[recv:].clone()
         returned = grad.new_empty(send, grad.shape[1])
@@ -194,7 +262,7 @@ class _AllToAll(torch.autograd.Function):
         received = kv.new_empty(ex.recv_rows, kv.shape[1])
         work = dist.all_to_all_single(received, sent, output_split_sizes=list(ex.transfer.recv_splits),
                                       input_split_sizes=list(ex.transfer.send_splits), group=ex.group, async_op=True)
-        wait(work, "K/V all-to-all", ex.rank, ex.timeout)
+        wait(work, "K/V all-to-all", ex.rank, ex.timeout, group=ex.group)
         ctx.ex = ex
         if ex.stats is not None:
             ex.stats.record("forward", _nbytes(sent), _nbytes(received))
@@ -203,11 +271,12 @@ class _AllToAll(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
         ex: RankExchange = ctx.ex
+        check_usable(ex.group, "K/V gradient exchange", ex.rank)
         recv = ex.recv_rows
         returned = grad.new_empty(ex.send_index.numel(), grad.shape[1])
         work = dist.all_to_all_single(returned, grad[:recv].contiguous(), output_split_sizes=list(ex.transfer.send_splits),
                                       input_split_sizes=list(ex.transfer.recv_splits), group=ex.group, async_op=True)
-        wait(work, "K/V gradient all-to-all", ex.rank, ex.timeout)
+        wait(work, "K/V gradient all-to-all", ex.rank, ex.timeout, group=ex.group)
         grad_local = grad[recv:].clone()
         if returned.numel():
             # A row may have gone to several ranks: their gradients add up.
@@ -224,6 +293,60 @@ _FUNCTIONS: dict[Strategy, type[torch.autograd.Function]] = {
 }
 
 
+_WHAT = {Strategy.ALLGATHER: "K/V all-gather", Strategy.HALO: "K/V halo exchange", Strategy.A2A: "K/V all-to-all"}
+
+
+def check_message(kv: torch.Tensor, ex: RankExchange) -> None:
+    """Raise :class:`ExchangeSizeError` before anything is sent when ``kv [L, W]`` or the rank's splits
+    cannot match the buffers its peers post for it (host-side attribute reads only).
+
+    Every rank derives the same per-pair row counts from the plan; a message of another size would be
+    paired by order with a receive of the planned size, and gloo accepts a shorter message into a larger
+    buffer. The backward pass sends gradients whose shape autograd ties to the forward's output, so
+    checking the forward message covers both directions.
+    """
+    t = ex.transfer
+    what = _WHAT[t.strategy]
+    local, width = ex.local_rows, (kv.shape[1] if kv.dim() == 2 else None)
+    shape = f"{tuple(kv.shape)} {kv.dtype}"
+    if kv.dim() != 2 or kv.shape[0] != local:
+        raise ExchangeSizeError(f"CP rank {ex.rank}: the {what} would cut its messages from K/V rows {shape}, but "
+                                f"the plan gives this rank {local} local rows, and its peers post buffers for that; "
+                                "refused before sending (were the local keys changed after the context was built?)")
+    if ex.row_width is not None and (width != ex.row_width or (ex.dtype is not None and kv.dtype != ex.dtype)):
+        raise ExchangeSizeError(f"CP rank {ex.rank}: the {what} would send rows of width {width} ({kv.dtype}), but "
+                                f"every rank of the group agreed on width {ex.row_width} ({ex.dtype}) for this "
+                                "forward; refused before sending")
+    size, rank = ex.size, ex.rank
+    if t.strategy == Strategy.ALLGATHER:
+        problems = [] if t.recv_rows == (size - 1) * local else [f"receives {t.recv_rows} rows, not (P - 1) * L = "
+                                                                 f"{(size - 1) * local}"]
+    else:
+        problems = [f"{name} has {len(splits)} entries for {size} ranks" for name, splits in
+                    (("send_splits", t.send_splits), ("recv_splits", t.recv_splits)) if len(splits) != size]
+        if not problems:
+            peers = [(p, t.send_splits[p]) for p in range(size) if t.send_splits[p]]
+            problems += [f"sends {n} rows to rank {p}, more than its {local} rows" for p, n in peers if n > local]
+            problems += [f"sends {n} rows to itself" for p, n in peers if p == rank]
+            if t.strategy == Strategy.HALO:
+                problems += [f"sends {n} rows to rank {p}, not its successor" for p, n in peers if p != rank + 1]
+                problems += [f"receives {n} rows from rank {p}, not its predecessor"
+                             for p, n in enumerate(t.recv_splits) if n and p != rank - 1]
+            elif sum(t.send_splits) != t.send_index.numel():
+                problems.append(f"sends {sum(t.send_splits)} rows by its splits but indexes {t.send_index.numel()}")
+            if sum(t.recv_splits) != t.recv_rows:
+                problems.append(f"receives {sum(t.recv_splits)} rows by its splits into a buffer of {t.recv_rows}")
+    if problems:
+        raise ExchangeSizeError(f"CP rank {rank}: the {what} plan does not fit its peers' buffers ("
+                                f"{'; '.join(problems)}; rows of width {width}); refused before sending")
+
+
 def exchange_kv(kv: torch.Tensor, ex: RankExchange) -> torch.Tensor:
-    """``kv [L, W]`` local fused K|V rows -> ``[R + L, W]`` (``[P * L, W]`` for all-gather) buffer."""
+    """``kv [L, W]`` local fused K|V rows -> ``[R + L, W]`` (``[P * L, W]`` for all-gather) buffer.
+
+    Raises :class:`CollectiveError` at once when the group failed earlier, and
+    :class:`ExchangeSizeError` before sending a message whose size the plan does not give it."""
+    what = _WHAT[ex.transfer.strategy]
+    check_usable(ex.group, what, ex.rank)
+    check_message(kv, ex)
     return _FUNCTIONS[ex.transfer.strategy].apply(kv, ex)

@@ -6,6 +6,8 @@ in :data:`_BACKENDS`.
 
 from __future__ import annotations
 
+import functools
+import warnings
 from types import ModuleType
 
 from ..config import BACKENDS
@@ -65,6 +67,9 @@ def choose_backend(requested: str, spec: KernelSpec, available: frozenset[str] |
 
     Returns:
         ``(name, note)`` where ``note`` explains a fallback from an explicitly requested backend.
+        When ``"auto"`` has to take a last-resort backend (``flex``, ``sdpa_mask``: slow, dense
+        masks) because no preferred one can run, typically because one CP rank disabled ``sdpa_doc``,
+        a ``UserWarning`` says so once per process and cause (the choice itself stays a pure function).
 
     Raises:
         ValueError: unknown ``requested``.
@@ -80,9 +85,23 @@ def choose_backend(requested: str, spec: KernelSpec, available: frozenset[str] |
             return requested, None
         reason = unavailable_reason(requested, spec) or "not available on every rank"
         note = f"blockdiag_cp backend {requested!r} cannot run this call ({reason}); falling back"
-    order = AUTO_ORDER.get(spec.device_type, AUTO_ORDER["default"]) + _LAST_RESORT
-    for name in order:
+    preferred = AUTO_ORDER.get(spec.device_type, AUTO_ORDER["default"])
+    for name in preferred + _LAST_RESORT:
         if name in available:
+            if note is None and name in _LAST_RESORT:
+                _warn_last_resort(name, "; ".join(f"{n}: {_why_not(n, spec)}" for n in preferred))
             return name, (f"{note} to {name!r}" if note else None)
     reasons = "; ".join(f"{n}: {unavailable_reason(n, spec) or 'unavailable on another rank'}" for n in _BACKENDS)
     raise BackendUnavailable(f"no blockdiag_cp backend can compute this attention exactly ({reasons})")
+
+
+def _why_not(name: str, spec: KernelSpec) -> str:
+    return unavailable_reason(name, spec) or ("disabled on this process (disabled_backends, env "
+                                              "HF_BLOCKDIAG_CP_DISABLE_BACKENDS) or on another CP rank")
+
+
+@functools.lru_cache(maxsize=None)  # the cache is the "once": one warning per process and cause
+def _warn_last_resort(name: str, reasons: str) -> None:
+    warnings.warn(f"blockdiag_cp backend 'auto' fell back to the last-resort {name!r} (exact, but slow with "
+                  f"dense per-document masks) because no preferred backend can run this call on every rank "
+                  f"({reasons})", UserWarning, stacklevel=4)

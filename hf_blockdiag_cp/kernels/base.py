@@ -82,12 +82,14 @@ class PlanSchedules:
         flash_guard: ``flash``'s long-prefix guard schedule.
         sdpa_doc: ``sdpa_doc``'s schedule per sliding window (``None``: none).
         flex_masks: ``flex``'s block mask per sliding window.
+        sdpa_mask: ``sdpa_mask``'s per-segment ``[q_len, k_len]`` masks per sliding window.
     """
 
     token_coordinates: TokenCoordinates | None = None
     flash_guard: PrefixGuard | None = None
     sdpa_doc: dict[int | None, DocSchedule] = field(default_factory=dict)
     flex_masks: dict[int | None, BlockMask] = field(default_factory=dict)
+    sdpa_mask: dict[int | None, tuple[torch.Tensor, ...]] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, eq=False)

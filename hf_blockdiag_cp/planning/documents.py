@@ -42,6 +42,8 @@ def as_doc_ids(doc_ids: torch.Tensor | Sequence[int] | Sequence[Sequence[int]], 
         raise TypeError(f"{name} must have an integer dtype, got {doc_ids.dtype}")
     if doc_ids.dim() not in (1, 2):
         raise ValueError(f"{name} must be [S] or [B, S], got shape {tuple(doc_ids.shape)}")
+    # int64 wraps uint64 ids >= 2**63 to negatives: the message below undoes that, to quote them as given.
+    wrapped = doc_ids.dtype == torch.uint64
     doc_ids = doc_ids.detach().to(device="cpu", dtype=torch.int64)
     if doc_ids.dim() == 1:
         doc_ids = doc_ids.unsqueeze(0).expand(batch_size or 1, -1)
@@ -50,6 +52,8 @@ def as_doc_ids(doc_ids: torch.Tensor | Sequence[int] | Sequence[Sequence[int]], 
     if length is not None and doc_ids.shape[1] != length:
         raise ValueError(f"{name} has length {doc_ids.shape[1]}, expected S={length} (the key length)")
     if doc_ids.numel() and int(doc_ids.min()) < 0:
+        if wrapped:
+            raise ValueError(f"{name} must be < 2**63 (int64), found {int(doc_ids.min()) + 2 ** 64}")
         raise ValueError(f"{name} must be >= 0 (0 = padding), found {int(doc_ids.min())}")
     return doc_ids
 

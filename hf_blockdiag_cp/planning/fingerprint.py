@@ -3,11 +3,84 @@
 from __future__ import annotations
 
 import hashlib
+import struct
+from collections.abc import Sequence
 
-__all__ = ["fingerprint"]
+import torch
+
+from ..config import BACKENDS, KV_EXCHANGES, PLACEMENTS, BlockDiagCPConfig
+
+__all__ = ["PLAN_FIELDS", "PlanFingerprint", "describe_plan_field", "fingerprint", "plan_fingerprint"]
 
 
 def fingerprint(*parts: bytes) -> int:
     """A 62-bit hash of ``parts`` (fits an int64 tensor on every collective backend)."""
     digest = hashlib.blake2b(b"".join(parts), digest_size=8).digest()
     return int.from_bytes(digest, "little") >> 2
+
+
+#: What a rank's plan is made of, in the order the rank agreement exchanges it. The first five are the
+#: requests themselves (small ints: an index into the config's choices, the tolerance's float64 bits),
+#: so that a mismatch can be quoted with each rank's value; the rest are hashes of derived facts.
+PLAN_FIELDS: tuple[str, ...] = ("cp_size", "placement", "balance_tolerance", "kv_exchange", "backend",
+                                "sliding_windows", "placement_rows", "exchange_strategies")
+
+
+class PlanFingerprint(int):
+    """The plan fingerprint of a context: one int (what ranks compare) that also keeps the per-field
+    values it was hashed from (:data:`PLAN_FIELDS`), so a mismatch can name the field that differs."""
+
+    fields: dict[str, int]
+
+    def __new__(cls, fields: dict[str, int]) -> PlanFingerprint:
+        value = fingerprint(*(f"{name}={fields[name]};".encode() for name in PLAN_FIELDS))
+        self = super().__new__(cls, value)
+        self.fields = {name: int(fields[name]) for name in PLAN_FIELDS}
+        return self
+
+    def __reduce__(self):  # pickles (DataLoader workers) with its fields
+        return PlanFingerprint, (self.fields,)
+
+
+def _float_bits(x: float) -> int:
+    return struct.unpack("<q", struct.pack("<d", float(x)))[0]
+
+
+def plan_fingerprint(config: BlockDiagCPConfig, *, cp_size: int, placement_kind: str, placement_rows: torch.Tensor,
+                     windows: Sequence[int | None], strategies: Sequence[str]) -> PlanFingerprint:
+    """The fingerprint of what every CP rank must have planned alike.
+
+    Args:
+        config: the context's config (backend and ``kv_exchange`` requests, ``balance_tolerance``).
+        cp_size: the context's CP size.
+        placement_kind / placement_rows: the placement used and its ``[P, L]`` position table.
+        windows / strategies: the planned sliding windows and each exchange's resolved strategy.
+    """
+    # The tolerance shapes only a balanced placement: other placements do not compare it (-1: no
+    # float's bits, as tolerances are >= 0).
+    tolerance = _float_bits(config.balance_tolerance) if placement_kind == "balanced" else -1
+    return PlanFingerprint({
+        "cp_size": cp_size,
+        "placement": PLACEMENTS.index(placement_kind) if placement_kind in PLACEMENTS else fingerprint(
+            placement_kind.encode()),
+        "balance_tolerance": tolerance,
+        "kv_exchange": KV_EXCHANGES.index(config.kv_exchange),
+        "backend": BACKENDS.index(config.backend),
+        "sliding_windows": fingerprint(repr(tuple(windows)).encode()),
+        "placement_rows": fingerprint(placement_rows.to(torch.int64).contiguous().numpy().tobytes()),
+        "exchange_strategies": fingerprint(repr(tuple(strategies)).encode()),
+    })
+
+
+def describe_plan_field(name: str, value: int) -> str:
+    """``value`` of plan field ``name`` as a user would write it (hashes are quoted as such)."""
+    if name == "cp_size":
+        return str(value)
+    choices = {"placement": PLACEMENTS, "kv_exchange": KV_EXCHANGES, "backend": BACKENDS}.get(name)
+    if choices is not None:
+        return repr(choices[value]) if 0 <= value < len(choices) else f"another (hash {value:#x})"
+    if name == "balance_tolerance":
+        if value == -1:
+            return "n/a (placement not balanced)"
+        return f"{struct.unpack('<d', struct.pack('<q', value))[0]:g}"
+    return f"hash {value:#x}"
