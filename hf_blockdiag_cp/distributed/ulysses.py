@@ -219,7 +219,9 @@ def new_subgroups(cp_groups: Sequence[Sequence[int]], ulysses_size: int, *, time
 
     Collective over the default group: every process calls it with the same arguments (``new_group``
     must be entered by all processes in the same order). Create the groups of every ``u`` that
-    ``auto`` may choose once, at setup, never per step. Their own timeout is ``timeout_s``.
+    ``auto`` may choose once, at setup, never per step. ``timeout_s`` is the groups' own timeout
+    (connecting included): pass ``config.process_group_timeout.total_seconds()``, so that the
+    package's shorter :class:`HeadA2A` timeout raises ``CollectiveError`` first.
     """
     me = dist.get_rank()
     mine: list[object] = [None, None]
