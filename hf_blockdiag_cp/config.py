@@ -34,6 +34,8 @@ ENV_VARS: dict[str, str] = {
     "disabled_backends": "HF_BLOCKDIAG_CP_DISABLE_BACKENDS",
     "placement": "HF_BLOCKDIAG_CP_PLACEMENT",
     "balance_tolerance": "HF_BLOCKDIAG_CP_BALANCE_TOLERANCE",
+    "ulysses_size": "HF_BLOCKDIAG_CP_ULYSSES_SIZE",
+    "layout_flops_per_byte": "HF_BLOCKDIAG_CP_LAYOUT_FLOPS_PER_BYTE",
 }
 
 #: Longest collective timeout accepted (a year): ``datetime.timedelta`` and the process-group
@@ -49,6 +51,10 @@ _MIN_TIMEOUT_S = 1e-3
 #: aborts the process at the group's timeout) fires only after that error was raised.
 _PG_MARGIN_FRACTION = 0.1
 _PG_MARGIN_MIN_S = 10.0
+
+#: Default of ``layout_flops_per_byte``: effective bf16 attention throughput over NVLink bandwidth per
+#: direction on one H100/H200 node (400 TFLOP/s over 450 GB/s, see :mod:`hf_blockdiag_cp.planning.layout`).
+DEFAULT_LAYOUT_FLOPS_PER_BYTE = 400e12 / 450e9
 
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off", ""}
@@ -85,6 +91,25 @@ def _env_float(name: str, default: float) -> float:
         raise ValueError(f"{ENV_VARS[name]}={raw!r} is not a number") from err
 
 
+def _ulysses_size(value: object, name: str, note: str = "") -> int | str:
+    """``value`` as a positive int or ``"auto"`` (digit strings accepted: they come from env and CLI)."""
+    if isinstance(value, str):
+        text = value.strip().lower()
+        if text == "auto":
+            return "auto"
+        if text.isdigit() and int(text) >= 1:
+            return int(text)
+    elif isinstance(value, int) and not isinstance(value, bool) and value >= 1:
+        return value
+    raise ValueError(f"{name}={value!r}{note} must be a positive int (ranks per head-parallel group; 1 = no head "
+                     "parallelism) or 'auto'")
+
+
+def _env_ulysses_size() -> int | str:
+    raw = os.environ.get(ENV_VARS["ulysses_size"])
+    return 1 if raw is None else _ulysses_size(raw, ENV_VARS["ulysses_size"])
+
+
 @dataclass(frozen=True)
 class BlockDiagCPConfig:
     """Configuration of block-diagonal (context-parallel) attention.
@@ -119,6 +144,16 @@ class BlockDiagCPConfig:
         balance_tolerance: ``"balanced"`` stops splitting documents once the most loaded rank is
             within this fraction of the mean (smaller: better balance, more K/V moved).
             Env: ``HF_BLOCKDIAG_CP_BALANCE_TOLERANCE``.
+        ulysses_size: ``u``, ranks per head-parallel (Ulysses) subgroup: the CP group of ``P`` ranks
+            splits as ``P = u x c``, each subgroup of ``u`` consecutive ranks holding its ``u * L``
+            tokens with ``Hq / u`` heads per rank. ``1`` (default) is sequence parallelism only,
+            ``P`` is pure Ulysses, ``"auto"`` picks per step the ``u`` of least modelled cost
+            (:func:`hf_blockdiag_cp.planning.layout.plan_layout`). Env: ``HF_BLOCKDIAG_CP_ULYSSES_SIZE``.
+        layout_flops_per_byte: the cost model of ``ulysses_size="auto"``: attention FLOPs a device
+            computes in the time its link moves one byte per direction (default 400 TFLOP/s over
+            450 GB/s, one NVLink H100/H200 node). Larger: bytes dearer against compute, so layouts
+            moving fewer bytes win more often (see :mod:`hf_blockdiag_cp.planning.layout`).
+            Env: ``HF_BLOCKDIAG_CP_LAYOUT_FLOPS_PER_BYTE``.
     """
 
     backend: str = field(default_factory=lambda: _env_str("backend", "auto"))
@@ -130,6 +165,9 @@ class BlockDiagCPConfig:
     disabled_backends: tuple[str, ...] = field(default_factory=lambda: _env_names("disabled_backends"))
     placement: str = field(default_factory=lambda: _env_str("placement", "balanced"))
     balance_tolerance: float = field(default_factory=lambda: _env_float("balance_tolerance", 0.05))
+    ulysses_size: int | str = field(default_factory=_env_ulysses_size)
+    layout_flops_per_byte: float = field(
+        default_factory=lambda: _env_float("layout_flops_per_byte", DEFAULT_LAYOUT_FLOPS_PER_BYTE))
 
     def __post_init__(self) -> None:
         if not isinstance(self.backend, str) or self.backend.lower() not in BACKENDS:
@@ -164,6 +202,12 @@ class BlockDiagCPConfig:
             raise ValueError(f"collective_timeout_s={timeout!r} (env {ENV_VARS['collective_timeout_s']}) must be a "
                              f"number of seconds in [{_MIN_TIMEOUT_S:g}, {_MAX_TIMEOUT_S:.0f}] (gloo and NCCL count "
                              "whole milliseconds, and 0 ms means no timeout at all)")
+        object.__setattr__(self, "ulysses_size", _ulysses_size(
+            self.ulysses_size, "ulysses_size", f" (env {ENV_VARS['ulysses_size']})"))
+        ratio = self.layout_flops_per_byte
+        if isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not 0 < ratio < float("inf"):
+            raise ValueError(f"layout_flops_per_byte={ratio!r} (env {ENV_VARS['layout_flops_per_byte']}) must be a "
+                             "positive finite number (FLOPs per byte moved)")
 
     @property
     def process_group_timeout(self) -> datetime.timedelta:

@@ -1,0 +1,235 @@
+"""The head all-to-all of a head-parallel (Ulysses) subgroup, differentiable, one fused buffer per call.
+
+Inside a subgroup of ``u`` ranks each rank starts with its ``L`` tokens for all heads and ends with
+all ``u * L`` tokens of the subgroup for its slice of heads (:class:`~hf_blockdiag_cp.planning.layout.HeadSplit`):
+
+- :func:`heads_to_tokens`: ``q [B, Hq, L, D]``, ``k [B, Hkv, L, D]``, ``v [B, Hkv, L, Dv]`` ->
+  ``q [B, Hq/u, u*L, D]``, ``k [B, n_kv, u*L, D]``, ``v [B, n_kv, u*L, Dv]``. The subgroup's tokens
+  stand *rank-major*: head rank 0's ``L`` tokens, then head rank 1's, ... (with the layout plan's
+  placement, their ascending global order).
+- :func:`tokens_to_heads`: ``out [B, Hq/u, u*L, Dv]`` -> ``[B, Hq, L, Dv]``, the inverse.
+
+q, k and v travel in ONE ``all_to_all_single`` (their bytes side by side, so mixed dtypes such as
+autocast's float32 q/k with bfloat16 v move unchanged), the output in one, and each backward is the
+reverse all-to-all of the gradients, one fused buffer again: a layer issues exactly one collective
+per direction and pass, so ranks cannot pair different tensors' collectives (see
+:mod:`.exchange`). When ``Hkv < u`` a K/V head is sent to every rank whose query heads use it, and
+backward adds the gradients of those replicas into the head they came from. Splits are even, so
+gloo runs it too. No host reads: every size is known from the shapes and the :class:`HeadA2A`.
+"""
+
+from __future__ import annotations
+
+import datetime
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from ..planning.layout import HeadSplit
+from .exchange import CollectiveError, CommStats, wait
+
+__all__ = ["HeadA2A", "heads_to_tokens", "new_subgroups", "subgroup_ranks", "tokens_to_heads"]
+
+
+@dataclass(frozen=True, eq=False)
+class HeadA2A:
+    """One rank's head all-to-all, ready to run.
+
+    Attributes:
+        split: how the heads are cut over the subgroup (``split.ulysses_size`` ranks).
+        head_rank: this rank's index inside the subgroup (``cp_rank % u``).
+        group: the subgroup's process group (``u`` consecutive CP ranks).
+        timeout: how long one collective may take (``BlockDiagCPConfig.collective_timeout_s``).
+        kv_index: ``[u * n_kv]`` int64 K/V heads sent to each head rank in turn, on the K/V device
+            (:meth:`HeadSplit.kv_index`).
+        cp_rank: the rank in the CP group (error messages).
+        stats: where moved bytes are recorded (``None``: not recorded).
+    """
+
+    split: HeadSplit
+    head_rank: int
+    group: object
+    timeout: datetime.timedelta
+    kv_index: torch.Tensor
+    cp_rank: int
+    stats: CommStats | None = None
+
+    @classmethod
+    def build(cls, split: HeadSplit, cp_rank: int, group: object, *, timeout_s: float,
+              device: torch.device | str = "cpu", stats: CommStats | None = None) -> HeadA2A:
+        """Host-side construction, once per step (the only place ``kv_index`` is copied to ``device``);
+        the head rank is ``cp_rank % u``."""
+        if cp_rank < 0:
+            raise ValueError(f"cp_rank={cp_rank} must be >= 0")
+        index = torch.tensor(split.kv_index(), dtype=torch.int64, device=device)
+        return cls(split, cp_rank % split.ulysses_size, group, datetime.timedelta(seconds=timeout_s), index, cp_rank,
+                   stats)
+
+    @property
+    def size(self) -> int:
+        return self.split.ulysses_size
+
+
+def _all_to_all(chunks: list[torch.Tensor], ex: HeadA2A, what: str, phase: str) -> list[torch.Tensor]:
+    """Send ``chunks[n][j]`` (each ``[u, ...]``, row ``j`` for head rank ``j``) in one fused buffer;
+    returns tensors of the same shapes whose row ``j`` came from head rank ``j``."""
+    u = ex.size
+    # Byte views let tensors of different dtypes share one buffer without any conversion.
+    flat = [c.contiguous().view(u, -1).view(torch.uint8) for c in chunks]
+    widths = [f.shape[1] for f in flat]
+    send = torch.cat(flat, dim=1)
+    received = torch.empty_like(send)
+    try:
+        work = dist.all_to_all_single(received, send, group=ex.group, async_op=True)
+    except Exception as err:  # gloo raises here (not in wait) when a peer's connection is gone
+        raise CollectiveError(f"CP rank {ex.cp_rank}: {what} failed ({type(err).__name__}: {err}); "
+                              "a peer rank most likely failed first — see its log") from err
+    wait(work, what, ex.cp_rank, ex.timeout)
+    if ex.stats is not None:
+        moved = send[0].numel() * (u - 1)  # the rank's own row stays put
+        ex.stats.record(phase, moved, moved)
+    parts = torch.split(received, widths, dim=1)
+    return [p.contiguous().view(c.dtype).view(c.shape) for p, c in zip(parts, chunks)]
+
+
+def _by_destination(x: torch.Tensor, u: int) -> torch.Tensor:
+    """``[B, u*h, L, d]`` (heads grouped by destination) -> ``[u, B, h, L, d]``."""
+    b, heads, length, dim = x.shape
+    return x.reshape(b, u, heads // u, length, dim).transpose(0, 1)
+
+
+def _tokens_rank_major(x: torch.Tensor) -> torch.Tensor:
+    """``[u, B, h, L, d]`` (row ``j`` from head rank ``j``) -> ``[B, h, u*L, d]``."""
+    u, b, heads, length, dim = x.shape
+    return x.permute(1, 2, 0, 3, 4).reshape(b, heads, u * length, dim)
+
+
+def _split_tokens(x: torch.Tensor, u: int) -> torch.Tensor:
+    """``[B, h, u*L, d]`` -> ``[u, B, h, L, d]`` (row ``j``: head rank ``j``'s tokens)."""
+    b, heads, length, dim = x.shape
+    return x.reshape(b, heads, u, length // u, dim).permute(2, 0, 1, 3, 4)
+
+
+def _heads_concat(x: torch.Tensor) -> torch.Tensor:
+    """``[u, B, h, L, d]`` (row ``j``: head rank ``j``'s heads) -> ``[B, u*h, L, d]``."""
+    u, b, heads, length, dim = x.shape
+    return x.transpose(0, 1).reshape(b, u * heads, length, dim)
+
+
+def _scatter_heads(parts: list[torch.Tensor], ex: HeadA2A, what: str, phase: str) -> list[torch.Tensor]:
+    """``[B, u*h, L, d]`` tensors -> ``[B, h, u*L, d]`` (the forward direction of q/k/v)."""
+    out = _all_to_all([_by_destination(x, ex.size) for x in parts], ex, what, phase)
+    return [_tokens_rank_major(x) for x in out]
+
+
+def _gather_heads(parts: list[torch.Tensor], ex: HeadA2A, what: str, phase: str) -> list[torch.Tensor]:
+    """``[B, h, u*L, d]`` tensors -> ``[B, u*h, L, d]`` (the forward direction of the output)."""
+    out = _all_to_all([_split_tokens(x, ex.size) for x in parts], ex, what, phase)
+    return [_heads_concat(x) for x in out]
+
+
+def _check(name: str, x: torch.Tensor, heads: int, u: int, tokens: int | None = None) -> None:
+    if x.dim() != 4 or x.shape[1] != heads or (tokens is not None and x.shape[2] % tokens):
+        raise ValueError(f"{name} must be [B, {heads}, L, D] for this head split (ulysses_size={u}), "
+                         f"got {tuple(x.shape)}")
+
+
+class _HeadsToTokens(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ex: HeadA2A):  # type: ignore[override]
+        ctx.ex, ctx.kv_heads = ex, k.shape[1]
+        # Replicated K/V heads (Hkv < u) are duplicated here, one copy per rank that uses them.
+        k_out = k.index_select(1, ex.kv_index)
+        v_out = v.index_select(1, ex.kv_index)
+        return tuple(_scatter_heads([q, k_out, v_out], ex, "Ulysses q/k/v all-to-all", "forward"))
+
+    @staticmethod
+    def backward(ctx, grad_q: torch.Tensor, grad_k: torch.Tensor, grad_v: torch.Tensor):  # type: ignore[override]
+        ex: HeadA2A = ctx.ex
+        gq, gk, gv = _gather_heads([grad_q, grad_k, grad_v], ex, "Ulysses q/k/v gradient all-to-all", "backward")
+        # Every copy of a K/V head sent forward returns its gradient: they add up in the original head.
+        k_grad = gk.new_zeros(gk.shape[0], ctx.kv_heads, *gk.shape[2:]).index_add_(1, ex.kv_index, gk)
+        v_grad = gv.new_zeros(gv.shape[0], ctx.kv_heads, *gv.shape[2:]).index_add_(1, ex.kv_index, gv)
+        return gq, k_grad, v_grad, None
+
+
+class _TokensToHeads(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, out: torch.Tensor, ex: HeadA2A) -> torch.Tensor:  # type: ignore[override]
+        ctx.ex = ex
+        return _gather_heads([out], ex, "Ulysses output all-to-all", "forward")[0]
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
+        ex: HeadA2A = ctx.ex
+        return _scatter_heads([grad], ex, "Ulysses output gradient all-to-all", "backward")[0], None
+
+
+def heads_to_tokens(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ex: HeadA2A
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """This rank's ``L`` tokens with all heads -> the subgroup's ``u * L`` tokens with its heads.
+
+    Args:
+        q: ``[B, Hq, L, D]`` (any strides).
+        k: ``[B, Hkv, L, D]``.
+        v: ``[B, Hkv, L, Dv]``.
+        ex: the rank's :class:`HeadA2A`.
+
+    Returns ``q [B, Hq/u, u*L, D]``, ``k [B, n_kv, u*L, D]``, ``v [B, n_kv, u*L, Dv]``, tokens rank-major
+    (``n_kv = ex.split.kv_per_rank``). ``u = 1`` returns the inputs unchanged, with no collective.
+    """
+    split, u = ex.split, ex.size
+    _check("q", q, split.num_q_heads, u)
+    _check("k", k, split.num_kv_heads, u)
+    _check("v", v, split.num_kv_heads, u)
+    if u == 1:
+        return q, k, v
+    return _HeadsToTokens.apply(q, k, v, ex)
+
+
+def tokens_to_heads(out: torch.Tensor, ex: HeadA2A) -> torch.Tensor:
+    """The inverse of :func:`heads_to_tokens` for the attention output: ``[B, Hq/u, u*L, Dv]`` ->
+    ``[B, Hq, L, Dv]`` (this rank's ``L`` tokens, all heads). ``u = 1``: ``out`` unchanged."""
+    u = ex.size
+    _check("out", out, ex.split.q_per_rank, u, tokens=u)
+    if u == 1:
+        return out
+    return _TokensToHeads.apply(out, ex)
+
+
+def subgroup_ranks(cp_ranks: Sequence[int], ulysses_size: int) -> tuple[list[list[int]], list[list[int]]]:
+    """``(head groups, sequence groups)`` of a CP group's global ranks ``cp_ranks`` (in CP order):
+    head groups are ``u`` consecutive CP ranks, sequence groups the ``c`` ranks of equal ``r % u``."""
+    ranks = list(cp_ranks)
+    if ulysses_size < 1 or len(ranks) % ulysses_size:
+        raise ValueError(f"ulysses_size={ulysses_size} does not divide the CP group size {len(ranks)}")
+    u = ulysses_size
+    heads = [ranks[g * u:(g + 1) * u] for g in range(len(ranks) // u)]
+    sequence = [ranks[i::u] for i in range(u)]
+    return heads, sequence
+
+
+def new_subgroups(cp_groups: Sequence[Sequence[int]], ulysses_size: int, *, timeout_s: float,
+                  backend: str | None = None) -> tuple[object, object]:
+    """Create the head and sequence subgroups of every CP group (``cp_groups``: each CP group's global
+    ranks, in CP order, e.g. every ``cp`` row of a ``("dp", "cp")`` mesh) and return this process's
+    ``(head group, sequence group)`` (``None`` where it belongs to none).
+
+    Collective over the default group: every process calls it with the same arguments (``new_group``
+    must be entered by all processes in the same order). Create the groups of every ``u`` that
+    ``auto`` may choose once, at setup, never per step. ``timeout_s`` is the groups' own timeout
+    (connecting included): pass ``config.process_group_timeout.total_seconds()``, so that the
+    package's shorter :class:`HeadA2A` timeout raises ``CollectiveError`` first.
+    """
+    me = dist.get_rank()
+    mine: list[object] = [None, None]
+    for ranks in cp_groups:
+        heads, sequence = subgroup_ranks(ranks, ulysses_size)
+        for slot, lists in enumerate((heads, sequence)):
+            for members in lists:
+                group = dist.new_group(members, timeout=datetime.timedelta(seconds=timeout_s), backend=backend)
+                if me in members:
+                    mine[slot] = group
+    return mine[0], mine[1]
