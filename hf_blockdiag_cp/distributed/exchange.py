@@ -154,7 +154,7 @@ def _nbytes(t: torch.Tensor | None, copies: int = 1) -> int:
     return 0 if t is None else copies * t.numel() * t.element_size()
 
 
-def _failed(group, rank: int, what: str, cause: str, err: BaseException | None = None) -> CollectiveError:
+def failed(group, rank: int, what: str, cause: str, err: BaseException | None = None) -> CollectiveError:
     """Record ``group`` as broken and build the error for it."""
     mark_broken(group, f"the {what} on CP rank {rank} {cause}")
     detail = f" ({type(err).__name__}: {err})" if err is not None else ""
@@ -171,11 +171,11 @@ def wait(work, what: str, rank: int, timeout: datetime.timedelta, *, group) -> N
     except Exception as err:  # gloo/NCCL raise RuntimeError subclasses with transport details
         # gloo reports its own timeout as an exception ("Operation timed out!"), not as False.
         if time.monotonic() - start >= limit:
-            raise _failed(group, rank, what, f"did not finish within {limit:g} s: a peer rank stalled or failed "
+            raise failed(group, rank, what, f"did not finish within {limit:g} s: a peer rank stalled or failed "
                           "(see its log)", err) from err
-        raise _failed(group, rank, what, "failed: a peer rank most likely failed first (see its log)", err) from err
+        raise failed(group, rank, what, "failed: a peer rank most likely failed first (see its log)", err) from err
     if ok is False:
-        raise _failed(group, rank, what, f"did not finish within {limit:g} s: a peer rank stalled or failed "
+        raise failed(group, rank, what, f"did not finish within {limit:g} s: a peer rank stalled or failed "
                       "(see its log)")
 
 
@@ -187,7 +187,7 @@ def _p2p(ops: list[tuple[str, torch.Tensor, int]], ex: RankExchange, what: str) 
     try:
         works = dist.batch_isend_irecv(p2p)
     except Exception as err:  # gloo raises here (not in wait) when a peer's connection is gone
-        raise _failed(ex.group, ex.rank, what, "failed: a peer rank most likely failed first (see its log)",
+        raise failed(ex.group, ex.rank, what, "failed: a peer rank most likely failed first (see its log)",
                       err) from err
     for work in works:
         wait(work, what, ex.rank, ex.timeout, group=ex.group)

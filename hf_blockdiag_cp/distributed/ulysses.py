@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 
 from ..planning.layout import HeadSplit
-from .exchange import CollectiveError, CommStats, wait
+from .exchange import CommStats, check_usable, failed, wait
 
 __all__ = ["HeadA2A", "heads_to_tokens", "new_subgroups", "subgroup_ranks", "tokens_to_heads"]
 
@@ -81,12 +81,13 @@ def _all_to_all(chunks: list[torch.Tensor], ex: HeadA2A, what: str, phase: str) 
     widths = [f.shape[1] for f in flat]
     send = torch.cat(flat, dim=1)
     received = torch.empty_like(send)
+    check_usable(ex.group, what, ex.cp_rank)
     try:
         work = dist.all_to_all_single(received, send, group=ex.group, async_op=True)
     except Exception as err:  # gloo raises here (not in wait) when a peer's connection is gone
-        raise CollectiveError(f"CP rank {ex.cp_rank}: {what} failed ({type(err).__name__}: {err}); "
-                              "a peer rank most likely failed first — see its log") from err
-    wait(work, what, ex.cp_rank, ex.timeout)
+        raise failed(ex.group, ex.cp_rank, what, "failed: a peer rank most likely failed first (see its log)",
+                      err) from err
+    wait(work, what, ex.cp_rank, ex.timeout, group=ex.group)
     if ex.stats is not None:
         moved = send[0].numel() * (u - 1)  # the rank's own row stays put
         ex.stats.record(phase, moved, moved)
