@@ -21,9 +21,12 @@ Filling comes before refusing, so a GPT-2 (absolute positions) under ``guard_mod
 per-document positions instead of a refusal; a model that was only loaded with the attention name
 keeps refusing such a batch (nothing is filled without ``guard_model``).
 
-The outermost prepared model owns its tree: preparing a model that uses ``blockdiag_cp`` removes the
-pairs of the models nested in it (transformers prepares ``LlamaModel`` before ``LlamaForCausalLM``),
-taking over their strictness. :func:`unprepare_model` removes everything.
+The outermost prepared transformers model owns its tree: preparing a ``PreTrainedModel`` that uses
+``blockdiag_cp`` removes the pairs of the models nested in it (transformers prepares ``LlamaModel`` before
+``LlamaForCausalLM``), taking over their strictness. A wrapper that is no ``PreTrainedModel`` (a PEFT model,
+your own module) gets its own pair and leaves the wrapped model's in place: the wrapper's pre-hook runs
+first, so it fills before the wrapped model refuses, and the wrapped model keeps its refusals once
+unwrapped. :func:`unprepare_model` removes everything.
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ from typing import Any
 
 import torch
 from torch.utils.hooks import RemovableHandle
+from transformers import PreTrainedModel
 
 from ..compat import forward_hooks
 from .batch import arguments, check_batch, fill_position_ids, packing, positional_index
@@ -101,7 +105,7 @@ def prepare_model(model: torch.nn.Module, *, strict: bool = False) -> torch.nn.M
     probe.absolute_positions = has_absolute_positions(model)
     for sub in model.modules():
         sub.__dict__[PROBE_ATTR] = probe
-    if uses_blockdiag_cp(model):  # its hooks refuse for the whole tree: the nested models' pairs go
+    if isinstance(model, PreTrainedModel) and uses_blockdiag_cp(model):  # its pair refuses for its nested models
         for sub in list(model.modules())[1:]:
             nested = sub.__dict__.pop(PREPARATION_ATTR, None)
             if nested is not None:

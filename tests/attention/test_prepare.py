@@ -125,6 +125,30 @@ def test_one_pair_on_a_nested_llama_and_prepare_model_is_idempotent():
     assert len(model._forward_pre_hooks) == 1 and len(model._forward_hooks) == 1  # nobody else's hooks either
 
 
+class _Wrapper(torch.nn.Module):
+    """A module around a model (as a PEFT model is): not a PreTrainedModel."""
+
+    def __init__(self, inner: torch.nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None, **kwargs):
+        return self.inner(input_ids, position_ids=position_ids, **kwargs)
+
+
+def test_a_guarded_wrapper_fills_before_the_wrapped_model_refuses_and_leaves_its_pair():
+    docs = _docs()
+    inner = _gpt2("blockdiag_cp")
+    wrapper = bd.guard_model(_Wrapper(inner))
+    assert _tree_hooks(wrapper) == {"": (1, 1), "inner": (1, 1)}
+    logits = wrapper(**_packed_without_positions(docs), use_cache=False).logits[0]
+    reference = _gpt2("eager")
+    expected = torch.cat([reference(d[None], use_cache=False).logits[0] for d in docs])
+    torch.testing.assert_close(logits, expected, atol=1e-5, rtol=0)
+    with pytest.raises(UnsupportedModel, match="absolute position embeddings"):  # unwrapped: refuses again
+        inner(**_packed_without_positions(docs), use_cache=False)
+
+
 def test_unprepare_model_removes_everything_and_switching_prepares_again():
     model = bd.guard_model(_gpt2("blockdiag_cp"))
     assert unprepare_model(model) is model
