@@ -1,5 +1,9 @@
 """Run a function on several real gloo processes, or an example under ``accelerate launch``, with a hard
-timeout (a hang must fail the test)."""
+timeout (a hang must fail the test).
+
+The rendezvous cannot race: the process that starts the ranks owns their store and outlives them. Nothing
+picks a free port and hands it to a child to bind (another process may take it in between), and no rank
+serves the store (rank 0 leaving early would reset its peers' connections)."""
 
 from __future__ import annotations
 
@@ -7,11 +11,12 @@ import datetime
 import os
 import queue
 import signal
-import socket
 import subprocess
 import sys
+import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -21,16 +26,48 @@ import torch.multiprocessing as mp
 
 ROOT = Path(__file__).resolve().parents[1]
 CPU_CP2 = ROOT / "configs" / "accelerate" / "cpu_cp2.yaml"
+LOCALHOST = "127.0.0.1"
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+@contextmanager
+def hosted_stores(count: int = 1) -> Iterator[list[int]]:
+    """``count`` TCPStore servers hosted by this (the parent) process, yielding their ports.
+
+    The OS picks each port while the server binds it (port 0), so no other process can take it between
+    choosing and binding, and the servers live until the ``with`` block ends, i.e. after every rank has
+    exited: ranks connect as clients and no rank leaving early can take the rendezvous down with it.
+    A process group made on a store leaves keys behind, so each fresh default group needs its own store.
+    """
+    import torch.distributed as dist
+
+    stores = [dist.TCPStore(LOCALHOST, 0, is_master=True, wait_for_workers=False) for _ in range(count)]
+    try:
+        yield [store.port for store in stores]
+    finally:
+        del stores  # the servers stop here, once no rank needs them
+
+
+def client_env(port: int) -> dict[str, str]:
+    """The environment under which ``init_process_group(init_method="env://")`` (what ``torchrun``,
+    ``accelerate`` and ``hf_blockdiag_cp.init_device_mesh`` use) connects to the store on ``port`` as a
+    client instead of rank 0 serving it (torchrun sets the same variable when its agent hosts the store)."""
+    return {"MASTER_ADDR": LOCALHOST, "MASTER_PORT": str(port), "TORCHELASTIC_USE_AGENT_STORE": "True"}
+
+
+def _rank_context() -> Any:
+    """The fork server every rank starts from (one per test process, started on first use): it imports
+    what the ranks need once (:mod:`tests._rank_preload`), and each rank is forked from it, unpickling its
+    arguments as a spawned process would, with a single thread and no state of the test process."""
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(["tests._rank_preload"])
+    return ctx
 
 
 def _entry(rank: int, world_size: int, port: int, fn: Callable, args: tuple, results, env: dict,
-           pg_timeout_s: float) -> None:
+           pg_timeout_s: float, parent_env: dict[str, str]) -> None:
+    # The fork server's environment is the test process's when it started: take the one of now, as a spawn would.
+    os.environ.clear()
+    os.environ.update(parent_env)
     os.environ.update({k: v for k, v in env.get(rank, {}).items()})
     os.environ["OMP_NUM_THREADS"] = "1"
     import torch
@@ -38,8 +75,9 @@ def _entry(rank: int, world_size: int, port: int, fn: Callable, args: tuple, res
 
     torch.set_num_threads(1)
     try:
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
-                                timeout=datetime.timedelta(seconds=pg_timeout_s))
+        timeout = datetime.timedelta(seconds=pg_timeout_s)
+        store = dist.TCPStore(LOCALHOST, port, is_master=False, timeout=timeout)  # the parent serves it
+        dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size, timeout=timeout)
         result = fn(rank, world_size, *args)
         results.put((rank, "ok", result))
     except BaseException as err:  # report everything, including assertion errors, to the parent
@@ -58,21 +96,33 @@ def run_ranks(fn: Callable, world_size: int, *args: Any, timeout: float = 180.0,
               expect_failure: bool = False) -> list[Any]:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` spawned gloo processes.
 
-    Returns the per-rank results (``fn`` must return something picklable). Raises ``AssertionError``
-    with every failing rank's traceback, or ``TimeoutError`` if the ranks do not finish in
-    ``timeout`` seconds (all processes are killed). With ``expect_failure`` returns
+    The default process group's store is served by this process (:func:`hosted_stores`) until every rank
+    has exited. Returns the per-rank results (``fn`` must return something picklable). Raises
+    ``AssertionError`` with every failing rank's traceback, or ``TimeoutError`` if the ranks do not finish
+    in ``timeout`` seconds (all processes are killed). With ``expect_failure`` returns
     ``[(status, payload) per rank]`` instead of raising on errors.
     """
-    ctx = mp.get_context("spawn")
+    with hosted_stores(1) as (port,):
+        outcome = _spawn_and_collect(fn, world_size, args, port, timeout, env or {}, pg_timeout_s)
+    if expect_failure:
+        return [outcome[r] for r in range(world_size)]
+    errors = {r: payload for r, (status, payload) in outcome.items() if status != "ok"}
+    if errors:
+        raise AssertionError("\n".join(f"--- rank {r} ---\n{msg}" for r, msg in sorted(errors.items())))
+    return [outcome[r][1] for r in range(world_size)]
+
+
+def _spawn_and_collect(fn: Callable, world_size: int, args: tuple, port: int, timeout: float, env: dict,
+                       pg_timeout_s: float) -> dict[int, tuple[str, Any]]:
+    """Start the ranks, gather ``{rank: (status, payload)}``, and return only once every rank has exited."""
+    ctx = _rank_context()
     results = ctx.Queue()
-    port = free_port()
-    procs = [ctx.Process(target=_entry, args=(r, world_size, port, fn, args, results, env or {}, pg_timeout_s),
+    parent_env = dict(os.environ)
+    procs = [ctx.Process(target=_entry, args=(r, world_size, port, fn, args, results, env, pg_timeout_s, parent_env),
                          daemon=False) for r in range(world_size)]
     for p in procs:
         p.start()
     outcome: dict[int, tuple[str, Any]] = {}
-    import time
-
     deadline = time.monotonic() + timeout
     try:
         while len(outcome) < world_size:
@@ -101,12 +151,7 @@ def run_ranks(fn: Callable, world_size: int, *args: Any, timeout: float = 180.0,
             if p.is_alive():
                 p.kill()
                 p.join()
-    if expect_failure:
-        return [outcome[r] for r in range(world_size)]
-    errors = {r: payload for r, (status, payload) in outcome.items() if status != "ok"}
-    if errors:
-        raise AssertionError("\n".join(f"--- rank {r} ---\n{msg}" for r, msg in sorted(errors.items())))
-    return [outcome[r][1] for r in range(world_size)]
+    return outcome
 
 
 @dataclass(frozen=True)
@@ -119,12 +164,18 @@ class Launched:
 
 def launch_example(script: str, *args: str, launcher_args: tuple[str, ...] = ("--config_file", str(CPU_CP2)),
                    timeout: float = 300, env: dict[str, str] | None = None) -> Launched:
-    """``accelerate launch`` of ``examples/<script>`` on a free port, in its own process group so that
-    a hang past ``timeout`` kills every rank and fails the test."""
-    command = [sys.executable, "-m", "accelerate.commands.launch", *launcher_args, "--main_process_port",
-               str(free_port()), str(ROOT / "examples" / script), *args]
+    """``accelerate launch`` of ``examples/<script>``, in its own process group so that a hang past
+    ``timeout`` kills every rank and fails the test.
+
+    No port is picked here: ``PET_STANDALONE=1`` (torchrun's ``--standalone``, which accelerate's launcher
+    reads from the environment) turns the config's static rendezvous into torchrun's single-node one, where
+    the launcher process -- the ranks' parent, which outlives them -- binds an OS-chosen port (``localhost:0``)
+    for the rendezvous store and serves the ranks' store, the ranks connecting as clients
+    (``TORCHELASTIC_USE_AGENT_STORE=True``)."""
+    command = [sys.executable, "-m", "accelerate.commands.launch", *launcher_args, str(ROOT / "examples" / script),
+               *args]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1",
-           "HF_HUB_DISABLE_TELEMETRY": "1", **(env or {})}
+           "HF_HUB_DISABLE_TELEMETRY": "1", "PET_STANDALONE": "1", **(env or {})}
     proc = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True)
     try:

@@ -19,6 +19,7 @@ from hf_blockdiag_cp.check import (
     reference_run,
     tiny_config,
 )
+from tests.reference import dense_reference
 
 ATOL = 1e-4
 
@@ -207,9 +208,15 @@ def test_attention_changing_keywords_are_refused(name, meaning):
 
 
 def test_bookkeeping_keywords_are_accepted():
-    q = torch.randn(1, 2, 4, 8)
-    blockdiag_cp_attention(torch.nn.Module(), q, q, q, None, num_items_in_batch=3, seq_idx=torch.zeros(1, 4),
-                           use_cache=False, output_hidden_states=True, position_bias=None, shift_labels=q)
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 4, 8, generator=gen) for _ in range(3))  # [B, H, L, D]
+    out, weights = blockdiag_cp_attention(torch.nn.Module(), q, k, v, None, num_items_in_batch=3,
+                                          seq_idx=torch.zeros(1, 4), use_cache=False, output_hidden_states=True,
+                                          position_bias=None, shift_labels=q)
+    # The keywords change nothing: one causal document, as the float64 brute force computes it.
+    expected = dense_reference(q, k, v, [1, 1, 1, 1]).transpose(1, 2)  # [B, L, H, D]
+    torch.testing.assert_close(out, expected.float(), atol=1e-6, rtol=0)
+    assert weights is None
 
 
 # 9. A layer whose is_causal flag is stale while its mask is causal.

@@ -5,7 +5,9 @@ injected on one rank and every surviving rank must raise the documented error wi
 Several scenarios share one spawn: each starts a fresh process group and mesh through
 ``hf_blockdiag_cp.init_device_mesh`` (so the groups get the package's timeout, as in training), and a
 rank that fails destroys its group as a dying process would close its sockets. A control store
-(not a process group) lines the ranks up between scenarios. Times are measured on every rank from the
+(not a process group) lines the ranks up between scenarios. The test process serves every store (the
+control store and one per scenario's group: a group leaves keys behind), so a rank that dies cannot take
+the rendezvous of the others down. Times are measured on every rank from the
 start of its scenario to its error, and printed (``pytest -s``) for the report.
 """
 
@@ -15,13 +17,12 @@ import datetime
 import json
 import os
 import signal
-import socket
 import tempfile
 import time
 
 import pytest
 
-from tests.launch import run_ranks
+from tests.launch import LOCALHOST, client_env, hosted_stores, run_ranks
 
 pytestmark = pytest.mark.distributed
 
@@ -31,17 +32,6 @@ BOUND_S = TIMEOUT_S + 30.0  # the acceptance bound on every surviving rank's tim
 LENGTHS = [5, 20, 3, 12, 8]  # 48 tokens: at CP=2 (L=24) the second document straddles the boundary
 SPLIT_AT_4 = [12, 12, 12, 12]  # at CP=4 no document crosses a rank boundary: nothing to exchange
 FAULTY = 1  # the rank a fault is injected on
-
-
-def _free_ports(count: int) -> list[int]:
-    socks = [socket.socket() for _ in range(count)]
-    try:
-        for s in socks:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
 
 
 # ---- the step every scenario runs --------------------------------------------------------------------
@@ -264,12 +254,12 @@ def _scenario_worker(rank: int, world: int, names: list[str], ports: list[int], 
     from hf_blockdiag_cp.distributed.groups import group_timeout
 
     dist.destroy_process_group()  # the harness's group: every scenario makes its own
-    store = dist.TCPStore("127.0.0.1", ports[0], world, rank == 0, timeout=datetime.timedelta(seconds=240))
+    store = dist.TCPStore(LOCALHOST, ports[0], is_master=False, timeout=datetime.timedelta(seconds=240))
     config = bd.BlockDiagCPConfig(collective_timeout_s=TIMEOUT_S)
     assert config.process_group_timeout.total_seconds() == PG_TIMEOUT_S
     for i, (name, port) in enumerate(zip(names, ports[1:])):
         _barrier(store, f"scenario{i}", world)
-        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
+        os.environ.update(client_env(port), RANK=str(rank), WORLD_SIZE=str(world))  # a fresh store per group
         mesh = bd.init_device_mesh(cp_size, config=config)
         assert group_timeout().total_seconds() == PG_TIMEOUT_S  # init_device_mesh made the default group
         start = time.monotonic()
@@ -287,8 +277,7 @@ def _scenario_worker(rank: int, world: int, names: list[str], ports: list[int], 
 def _run(names: list[str], world: int = 2, timeout: float = 240.0) -> dict[str, list]:
     """``{scenario: [(status, error, message, elapsed_s) per rank]}``; status is 'ran', or 'died' for a rank
     that was killed before it could report the scenario."""
-    ports = _free_ports(len(names) + 1)
-    with tempfile.TemporaryDirectory() as log_dir:
+    with hosted_stores(len(names) + 1) as ports, tempfile.TemporaryDirectory() as log_dir:
         outcome = run_ranks(_scenario_worker, world, names, ports, world, log_dir, timeout=timeout,
                             expect_failure=True)
         logs = []

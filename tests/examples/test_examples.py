@@ -81,6 +81,7 @@ def test_example_with_fsdp2_and_activation_checkpointing_keeps_parity(tmp_path):
 
 
 @pytest.mark.distributed
+@pytest.mark.slow  # a full launch: the launcher and two ranks import everything (~28 CPU-s) before the refusal
 def test_example_rejects_a_cp_size_that_does_not_divide_the_world(tmp_path):
     proc = launch_example("train_packed_cp.py", "--cp-size", "3", "--steps", "1", "--max-docs", "4", "--no-progress",
                           timeout=180)
