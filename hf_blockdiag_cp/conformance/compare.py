@@ -14,17 +14,8 @@ import transformers
 
 from .configs import VOCAB, composite_reason, text_config, tiny_config
 from .launch import run_cp
-from .result import (
-    EXACT,
-    FAIL,
-    GRAD_RTOL,
-    LOGITS_ATOL,
-    NOT_APPLICABLE,
-    REFUSED,
-    CheckResult,
-    describe_error,
-    is_refusal,
-)
+from .result import EXACT, FAIL, GRAD_RTOL, LOGITS_ATOL, NOT_APPLICABLE, REFUSED, CheckResult, describe_error
+from .result import is_refusal
 from .runs import (
     VARIANTS,
     accepts_keyword,
