@@ -62,16 +62,16 @@ def _counts(results: Sequence[CheckResult]) -> dict[str, int]:
 
 
 def _versions(results: Sequence[CheckResult]) -> str:
-    """The transformers version the results were checked with, and how many rows another version checked
-    (rows carried over from an older sweep say so)."""
+    """The transformers version the results were checked with (the installed one when it checked any), and
+    how many rows another version checked (rows carried over from an older sweep say so)."""
     by_version: dict[str, int] = {}
     for r in results:
         version = r.transformers or transformers.__version__
         by_version[version] = by_version.get(version, 0) + 1
-    main = max(by_version, key=lambda v: (by_version[v], v))
-    others = [f"{n} of {len(results)} rows carried over from transformers {v}" for v, n in sorted(by_version.items())
-              if v != main]
-    return main + (f" ({'; '.join(others)}: not re-run)" if others else "")
+    main = transformers.__version__ if transformers.__version__ in by_version else max(by_version, key=by_version.get)
+    others = [f"{n} of {len(results)} rows carried over from a sweep with transformers {v}, not re-run"
+              for v, n in sorted(by_version.items()) if v != main]
+    return main + (f" ({'; '.join(others)})" if others else "")
 
 
 def _by_cause(results: Sequence[CheckResult]) -> list[tuple[str, list[str]]]:

@@ -48,7 +48,7 @@ FAST = {
     # 6. positions counted from the row start
     "bart": (REFUSED, "forward takes no position_ids"),
     "marian": (REFUSED, "forward takes no position_ids"),
-    # 7. attention sinks / softcapping (exact once the kernels implement them)
+    # 7. attention sinks / softcapping (exact: sdpa_doc implements both)
     "gpt_oss": (EXACT, ""),
     "gemma2": (EXACT, ""),
     # encoder families as decoders: BERT exact, RoBERTa's offset positions refused
@@ -160,6 +160,16 @@ def test_cli_under_its_old_name_prints_one_line_without_transformers_warnings():
                           capture_output=True, text=True, timeout=240, env={**env, "WORLD_SIZE": "2"})
     assert proc.returncode == 2 and proc.stdout == "", proc.stdout
     assert proc.stderr.count("\n") == 1 and "not under torchrun" in proc.stderr, proc.stderr
+
+
+def test_runtime_never_imports_the_conformance_tooling():
+    """conformance/ (and its ``check`` shim) may import the runtime, never the other way round."""
+    from tests.package.test_layout import import_graph
+
+    graph = import_graph()
+    assert "data" in graph["conformance"], graph["conformance"]  # the walk sees the subpackage's imports
+    users = sorted(unit for unit, targets in graph.items() if targets & {"conformance", "check"} and unit != "check")
+    assert users == [], users
 
 
 def test_bigbird_pegasus_generate_is_not_falsely_refused():
