@@ -2,4 +2,5 @@
 
 from .cli import main
 
-raise SystemExit(main())
+if __name__ == "__main__":  # not in the CP ranks, which re-import the main module under another name
+    raise SystemExit(main())
