@@ -1,4 +1,4 @@
-"""Architecture conformance (issue 12): ``hf_blockdiag_cp.check`` on a fixed sample covering every class
+"""Architecture conformance (issue 12): :mod:`hf_blockdiag_cp.conformance` on a fixed sample covering every class
 of the full sweep, each expected exact (packed documents equal each document alone under stock
 attention: logits, gradients, ``generate()``) or refused with a message naming the cause. The full
 sweep over every causal LM of transformers and the CP = 2 sample are marked slow."""
@@ -7,12 +7,15 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
 
-from hf_blockdiag_cp import check
-from hf_blockdiag_cp.check import EXACT, FAIL, REFUSED, check_model
+from hf_blockdiag_cp import conformance
+from hf_blockdiag_cp.conformance import EXACT, FAIL, REFUSED, check_model
 
 
 #: model type -> (expected status, a phrase the refusal must contain). One or more per sweep class.
@@ -45,7 +48,7 @@ FAST = {
     # 6. positions counted from the row start
     "bart": (REFUSED, "forward takes no position_ids"),
     "marian": (REFUSED, "forward takes no position_ids"),
-    # 7. attention sinks / softcapping (exact once the kernels implement them)
+    # 7. attention sinks / softcapping (exact: sdpa_doc implements both)
     "gpt_oss": (EXACT, ""),
     "gemma2": (EXACT, ""),
     # encoder families as decoders: BERT exact, RoBERTa's offset positions refused
@@ -55,6 +58,9 @@ FAST = {
     "bigbird_pegasus": (REFUSED, "forward takes no position_ids"),
 }
 
+
+DOCS = Path(__file__).resolve().parents[2] / "docs" / "models.md"
+README = Path(__file__).resolve().parents[2] / "README.md"
 
 GENERATE = {"llama", "gpt2", "qwen2", "llama4_text", "whisper", "ctrl", "bert"}
 
@@ -71,9 +77,99 @@ def test_fast_sweep(model_type):
     if expected == REFUSED:
         assert phrase in result.reason and model_type in result.reason, result.reason
     else:
-        assert result.logits_err <= check.LOGITS_ATOL and result.grad_err <= check.GRAD_RTOL
+        assert result.logits_err <= conformance.LOGITS_ATOL and result.grad_err <= conformance.GRAD_RTOL
         assert all(v.startswith("ok") for v in result.variants.values()), result.variants
         assert result.generate == ("equal" if model_type in GENERATE else "not run")
+
+
+@pytest.mark.parametrize("model_type", list(FAST))
+def test_models_md_agrees_with_the_fast_list(model_type):
+    """docs/models.md's row says what a fresh check says (``test_fast_sweep`` holds the check to ``FAST``):
+    the same verdict, and for a refusal the same cause. Regenerate the docs with the sweep if this fails."""
+    rows = conformance.read_models_table(DOCS)
+    expected, phrase = FAST[model_type]
+    assert model_type in rows, f"docs/models.md has no row for {model_type}"
+    status, detail = rows[model_type]
+    assert status == expected, f"docs/models.md says {model_type} is {status}, the check says {expected}"
+    if expected == REFUSED:
+        assert phrase in detail, f"docs/models.md gives {model_type} another cause: {detail}"
+
+
+def test_readme_summary_agrees_with_models_md():
+    """The README's block holds the counts of docs/models.md's table (both are written by one sweep)."""
+    rows = conformance.read_models_table(DOCS)
+    assert len(rows) > 150, len(rows)
+    counts = {s: sum(status == s for status, _ in rows.values()) for s in conformance.result.STATUSES}
+    readme = README.read_text()
+    block = readme[readme.index(conformance.report.README_BEGIN):readme.index(conformance.report.README_END)]
+    assert (f"of {len(rows)} causal LMs, **{counts[EXACT]} exact, {counts[REFUSED]} refused with the cause, "
+            f"{counts[FAIL]} FAIL, {counts[conformance.NOT_APPLICABLE]} not applicable**") in block, block
+    version = DOCS.read_text().split("with transformers ", 1)[1].split(",", 1)[0]
+    assert f"For transformers {version} " in block, (version, block)
+
+
+def test_read_models_table_reads_escaped_cells(tmp_path):
+    results = [conformance.CheckResult("a", EXACT, logits_err=1e-7, grad_err=1e-7, generate="equal"),
+               conformance.CheckResult("b", REFUSED, reason="x | y")]
+    path = tmp_path / "models.md"
+    path.write_text(conformance.markdown_table(results, title="T", seconds=60))
+    assert conformance.read_models_table(path) == {"a": (EXACT, ""), "b": (REFUSED, "x | y")}
+
+
+def test_readme_summary_block_is_replaced_between_its_markers():
+    begin, end = conformance.report.README_BEGIN, conformance.report.README_END
+    text = f"# x\n{begin}\nold\n{end}\ntail\n"
+    results = [conformance.CheckResult("a", EXACT, transformers="9.9"),
+               conformance.CheckResult("b", REFUSED, reason="mamba ... carry state across the whole row")]
+    new = conformance.replace_readme_summary(text, conformance.readme_summary(results))
+    assert new.startswith(f"# x\n{begin}\nFor transformers 9.9 ") and new.endswith(f"{end}\ntail\n")
+    assert "old" not in new and "other token mixers" in new and "(1)" in new
+    with pytest.raises(ValueError, match="no summary block"):
+        conformance.replace_readme_summary("# x\n", "s")
+
+
+def test_reasons_are_cut_between_words():
+    text = "UnsupportedModel: " + " ".join(f"word{i}" for i in range(100))
+    short = conformance.shorten(text, 80)
+    assert len(short) <= 80 and short.endswith("...")
+    assert short[:-3] in text and text[len(short) - 3] == " "  # the cut falls on a space
+    assert conformance.shorten("a  b\nc", 80) == "a b c"
+    err = NotImplementedError(text)
+    assert conformance.describe_error(err) == f"NotImplementedError: {text}"  # in full when it fits
+
+
+def test_check_tool_mistakes_get_one_line_with_the_fix():
+    assert conformance.usage_error(["llama"], 1, environ={}) is None
+    launched = conformance.usage_error(["llama"], 3, environ={"WORLD_SIZE": "2"})
+    assert "run it as one process" in launched and "WORLD_SIZE=2" in launched
+    assert ">= 1" in conformance.usage_error(["llama"], 0, environ={})
+    assert "at most" in conformance.usage_error(["llama"], 1000, environ={})
+    assert "did you mean llama" in conformance.usage_error(["lama"], 1, environ={})
+
+
+def test_cli_under_its_old_name_prints_one_line_without_transformers_warnings():
+    """``python -m hf_blockdiag_cp.check`` is unchanged; it causes no ``torch_dtype`` deprecation warning;
+    a mistake ends in one line on stderr, not a traceback."""
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
+    env.pop("WORLD_SIZE", None)
+    proc = subprocess.run([sys.executable, "-m", "hf_blockdiag_cp.check", "llama", "--no-generate"],
+                          capture_output=True, text=True, timeout=240, env=env)
+    assert proc.returncode == 0 and proc.stdout.startswith("llama: exact"), proc.stdout + proc.stderr
+    assert "torch_dtype" not in proc.stderr + proc.stdout, proc.stderr
+    proc = subprocess.run([sys.executable, "-m", "hf_blockdiag_cp.check", "llama", "--cp-size", "2"],
+                          capture_output=True, text=True, timeout=240, env={**env, "WORLD_SIZE": "2"})
+    assert proc.returncode == 2 and proc.stdout == "", proc.stdout
+    assert proc.stderr.count("\n") == 1 and "not under torchrun" in proc.stderr, proc.stderr
+
+
+def test_runtime_never_imports_the_conformance_tooling():
+    """conformance/ (and its ``check`` shim) may import the runtime, never the other way round."""
+    from tests.package.test_layout import import_graph
+
+    graph = import_graph()
+    assert "data" in graph["conformance"], graph["conformance"]  # the walk sees the subpackage's imports
+    users = sorted(unit for unit, targets in graph.items() if targets & {"conformance", "check"} and unit != "check")
+    assert users == [], users
 
 
 def test_bigbird_pegasus_generate_is_not_falsely_refused():
@@ -96,9 +192,9 @@ def test_check_reports_fail_for_wrong_attention(monkeypatch):
 
 
 def test_cli_prints_one_line_and_json(capsys):
-    assert check.main(["llama", "--no-generate"]) == 0
+    assert conformance.main(["llama", "--no-generate"]) == 0
     assert capsys.readouterr().out.startswith("llama: exact")
-    assert check.main(["mamba", "--no-generate", "--json"]) == 0
+    assert conformance.main(["mamba", "--no-generate", "--json"]) == 0
     data = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert data["status"] == REFUSED and "carry state" in data["reason"]
 
@@ -108,15 +204,16 @@ def test_local_config_folder_is_checked(tmp_path):
 
     LlamaConfig(hidden_size=512, num_hidden_layers=6, num_attention_heads=8, num_key_value_heads=2,
                 intermediate_size=1024, vocab_size=1000).save_pretrained(tmp_path)
-    config = check.tiny_config(str(tmp_path))
-    assert (config.hidden_size, config.num_hidden_layers, config.vocab_size) == (64, 2, check.VOCAB)
+    config = conformance.tiny_config(str(tmp_path))
+    assert (config.hidden_size, config.num_hidden_layers, config.vocab_size) == (64, 2, conformance.VOCAB)
     assert check_model(str(tmp_path), generate=False).status == EXACT
 
 
 def test_markdown_table_counts():
-    results = [check.CheckResult("a", EXACT, logits_err=1e-7, grad_err=1e-7, generate="equal"),
-               check.CheckResult("b", REFUSED, reason="x | y"), check.CheckResult("c", check.NOT_APPLICABLE)]
-    text = check.markdown_table(results, title="T", seconds=60)
+    results = [conformance.CheckResult("a", EXACT, logits_err=1e-7, grad_err=1e-7, generate="equal"),
+               conformance.CheckResult("b", REFUSED, reason="x | y"),
+               conformance.CheckResult("c", conformance.NOT_APPLICABLE)]
+    text = conformance.markdown_table(results, title="T", seconds=60)
     assert "**1 exact, 1 refused, 0 FAIL, 1 not applicable.**" in text
     assert "| `b` | refused |" in text and "x \\| y" in text
 
@@ -136,6 +233,6 @@ def test_cp2_sample(model_type):
                            "`python -m hf_blockdiag_cp.check --all` writes docs/models.md from the same sweep)")
 def test_full_sweep_has_no_fail(tmp_path):
     """Every causal LM of the installed transformers is exact, refused with a reason, or not applicable."""
-    results = check.sweep(check.causal_lm_types(), cp_size=1, timeout=300, jsonl=tmp_path / "sweep.jsonl")
+    results = conformance.sweep(conformance.causal_lm_types(), cp_size=1, timeout=300, jsonl=tmp_path / "sweep.jsonl")
     failures = [r.line() for r in results if r.status == FAIL]
     assert not failures, "\n".join(failures)

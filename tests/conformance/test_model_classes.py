@@ -1,6 +1,6 @@
 """One regression test per class of the architecture sweep (issue 12): every class is either computed
 exactly (packed documents vs each document alone under stock attention) or refused with an error
-naming the cause. Tiny models come from ``hf_blockdiag_cp.check.tiny_config``; the reference is the
+naming the cause. Tiny models come from ``hf_blockdiag_cp.conformance.tiny_config``; the reference is the
 unmodified model run on one document at a time."""
 
 from __future__ import annotations
@@ -11,8 +11,9 @@ import torch
 from hf_blockdiag_cp import BlockDiagCPContext
 from hf_blockdiag_cp.attention.hf import blockdiag_cp_attention, blockdiag_cp_mask
 from hf_blockdiag_cp.attention.mask_spec import describe_mask_function
-from hf_blockdiag_cp.check import (
+from hf_blockdiag_cp.conformance import (
     build_model,
+    check_generate,
     make_documents,
     packed_inputs,
     packed_run,
@@ -224,14 +225,12 @@ def test_bookkeeping_keywords_are_accepted():
 def test_bigbird_pegasus_decoder_is_not_falsely_refused():
     """Its decoder attention says is_causal=False but gets a causal mask: one document per row is served
     (packing is refused for it for another reason: learned positions counted from the row start)."""
-    from hf_blockdiag_cp.check import _check_generate
-
     stock, ours, docs = _pair("bigbird_pegasus")
     assert not any(getattr(m, "is_causal", True) for m in ours.modules() if type(m).__name__.endswith("Attention"))
     ref_logits, ref_grads = reference_run(stock, docs[2:3])
     logits, grads = packed_run(ours, docs[2:3], {"input_ids": docs[2][None]})
     torch.testing.assert_close(logits, ref_logits, atol=ATOL, rtol=0)
-    assert _check_generate(stock, ours, tiny_config("bigbird_pegasus"), seed=0) == "equal"
+    assert check_generate(stock, ours, tiny_config("bigbird_pegasus"), seed=0) == "equal"
 
 
 def test_packed_keywords_without_position_ids():

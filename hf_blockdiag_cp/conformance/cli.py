@@ -1,0 +1,154 @@
+"""``python -m hf_blockdiag_cp.check`` / ``hf-blockdiag-cp-check``: check architectures one by one, or sweep
+every causal LM and write docs/models.md and the README summary from the same results. Mistakes the tool
+can see (an unknown model, a CP size it cannot run, a launch under ``torchrun``) end in one line naming
+the fix, not a traceback."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import difflib
+import io
+import json
+import os
+import shlex
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import asdict
+from pathlib import Path
+
+from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+
+from .compare import check_model
+from .configs import causal_lm_types
+from .report import markdown_table, readme_summary, replace_readme_summary
+from .result import EXACT, FAIL, NOT_APPLICABLE, REFUSED, CheckResult
+from .runs import LENGTHS
+from .sweep import cp2_sample, read_jsonl, sweep
+
+__all__ = ["main", "usage_error"]
+
+DESCRIPTION = ("Conformance check: does attn_implementation='blockdiag_cp' compute exactly what an architecture "
+               "asks for? Packed documents against each document alone under stock attention.")
+#: Launchers that start several copies of a program (each would run the whole check and spawn its own ranks).
+_LAUNCHER_VARIABLES = ("WORLD_SIZE", "LOCAL_WORLD_SIZE")
+
+
+def usage_error(models: Sequence[str], cp_size: int, environ: dict[str, str] | None = None) -> str | None:
+    """The one-line message (with the fix) for a command line the check cannot run, or ``None``."""
+    environ = dict(os.environ) if environ is None else environ
+    launched = {v: environ[v] for v in _LAUNCHER_VARIABLES if environ.get(v, "1") not in ("", "1")}
+    if launched:
+        first = next(iter(launched.items()))
+        return (f"the check starts its own {cp_size} gloo rank(s) for --cp-size {cp_size}: run it as one process, "
+                f"not under torchrun / accelerate launch ({first[0]}={first[1]} here)")
+    if cp_size < 1:
+        return f"--cp-size {cp_size}: give a number of CP ranks >= 1 (the check spawns them itself)"
+    tokens = sum(LENGTHS)
+    if cp_size > tokens:
+        return f"--cp-size {cp_size}: the check's packed row has {tokens} tokens; give at most {tokens} ranks"
+    for model in models:
+        if not Path(model).exists() and model not in CONFIG_MAPPING_NAMES:
+            close = difflib.get_close_matches(model, causal_lm_types(), n=3)
+            hint = f" (did you mean {', '.join(close)}?)" if close else " (`--all` checks every one)"
+            return (f"{model!r} is neither a model_type of the installed transformers nor a local config.json / "
+                    f"model folder{hint}")
+    return None
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="hf-blockdiag-cp-check", description=DESCRIPTION)
+    parser.add_argument("model", nargs="*", help="model_type(s) of transformers' causal-LM mapping, or local "
+                                                 "config.json / model folders")
+    parser.add_argument("--cp-size", type=int, default=1, help="also run the collator path on N gloo ranks "
+                                                               "(spawned by the check: run it as one process)")
+    parser.add_argument("--all", action="store_true", help="sweep every causal LM of the installed transformers")
+    parser.add_argument("--markdown", type=Path, help="with --all: write the Markdown table here (docs/models.md)")
+    parser.add_argument("--readme", type=Path, help="with --all: rewrite the summary block of this README")
+    parser.add_argument("--jsonl", type=Path, help="with --all: append results here (and resume from it)")
+    parser.add_argument("--jobs", type=int, default=1, help="with --all: architectures checked at the same time")
+    parser.add_argument("--timeout", type=float, default=300.0, help="with --all: seconds per architecture")
+    parser.add_argument("--cp2-sample", type=int, default=0,
+                        help="with --all: also check this many exact architectures at CP=2")
+    parser.add_argument("--cp2-also", default="", help="with --all: comma-separated model types also checked at "
+                                                       "CP=2, whatever their CP=1 result")
+    parser.add_argument("--from-jsonl", action="store_true",
+                        help="with --jsonl and --markdown / --readme: only rewrite the docs from a finished sweep")
+    parser.add_argument("--no-generate", action="store_true", help="skip the generate() comparison")
+    parser.add_argument("--json", action="store_true", help="print the result as one JSON line")
+    parser.add_argument("--verbose", action="store_true", help="print every variant and tracebacks")
+    return parser
+
+
+def _write_docs(args: argparse.Namespace, results: list[CheckResult], cp2: list[CheckResult],
+                seconds: float | None, command: str) -> None:
+    if args.markdown is not None:
+        args.markdown.write_text(markdown_table(results, title="Architecture conformance", seconds=seconds,
+                                                cp2=cp2, command=command))
+    if args.readme is not None:
+        args.readme.write_text(replace_readme_summary(args.readme.read_text(), readme_summary(results, cp2)))
+
+
+def _sweep_command(args: argparse.Namespace) -> str:
+    parts = ["python -m hf_blockdiag_cp.check --all"]
+    if args.cp2_sample:
+        parts.append(f"--cp2-sample {args.cp2_sample}")
+    if args.cp2_also:
+        parts.append(f"--cp2-also {shlex.quote(args.cp2_also)}")
+    parts += [f"--{name} {getattr(args, name)}" for name in ("markdown", "readme") if getattr(args, name)]
+    return " ".join(parts)
+
+
+def _run_all(args: argparse.Namespace) -> int:
+    start = time.monotonic()
+    results = sweep(causal_lm_types(), cp_size=1, timeout=args.timeout, jsonl=args.jsonl,
+                    jobs=args.jobs)
+    also = [m for m in args.cp2_also.split(",") if m]
+    cp2: list[CheckResult] = []
+    if args.cp2_sample or also:
+        cp2 = sweep(cp2_sample(results, args.cp2_sample, also), cp_size=2, timeout=args.timeout, jsonl=args.jsonl,
+                    jobs=args.jobs)
+    seconds = time.monotonic() - start
+    counts = {s: sum(r.status == s for r in results) for s in (EXACT, REFUSED, FAIL, NOT_APPLICABLE)}
+    print(f"{len(results)} architectures: " + ", ".join(f"{v} {k}" for k, v in counts.items())
+          + f" ({seconds / 60:.1f} min)")
+    _write_docs(args, results, cp2, seconds, _sweep_command(args))
+    return 1 if counts[FAIL] or any(r.status == FAIL for r in cp2) else 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """The command line (see ``--help``); returns the exit status (1 if a check FAILs)."""
+    parser = _parser()
+    args = parser.parse_args(argv)
+    if args.from_jsonl:
+        if args.jsonl is None or (args.markdown is None and args.readme is None):
+            parser.error("--from-jsonl needs --jsonl and --markdown or --readme")
+        one, more = read_jsonl(args.jsonl)
+        _write_docs(args, one, more, None, _sweep_command(args))
+        return 0
+    problem = usage_error(args.model, args.cp_size)
+    if problem is not None:
+        print(f"hf-blockdiag-cp-check: error: {problem}", file=sys.stderr)
+        return 2
+    if args.all:
+        return _run_all(args)
+    if not args.model:
+        parser.error("name a model type or path, or pass --all")
+    status = 0
+    for model in args.model:
+        sink = io.StringIO() if args.json else None
+        with contextlib.redirect_stdout(sink) if sink is not None else contextlib.nullcontext():
+            result = check_model(model, cp_size=args.cp_size, generate=not args.no_generate)
+        if args.json:
+            data = asdict(result)
+            if not args.verbose:
+                data["variants"] = {k: v for k, v in data["variants"].items() if not k.endswith("traceback")}
+            print(json.dumps(data))
+        else:
+            print(result.line())
+            if args.verbose or result.status == FAIL:
+                for name, value in result.variants.items():
+                    print(f"  {name}: {value}")
+        status = status or int(result.status == FAIL)
+    return status

@@ -1,0 +1,110 @@
+"""The check's context-parallel run: the ``collator`` variant on ``cp_size`` spawned gloo ranks.
+
+The parent process owns the rendezvous (a ``TCPStore`` it binds on a port the OS picks, and keeps until
+every rank has finished), so no port can be taken between choosing it and binding it. Each rank builds
+the same seeded model, runs its shard of a :class:`PackingCollator` batch, all-reduces the gradients and
+all-gathers its logits with the positions they belong to (``cp_context.local_index``, any placement)."""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import os
+import queue as queue_module
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from .result import describe_error, is_refusal
+from .runs import build_model, collated_batch, forward_logits
+
+__all__ = ["CP_TIMEOUT_S", "run_cp"]
+
+#: Seconds the parent waits for all ranks of one CP run.
+CP_TIMEOUT_S = 600.0
+_HOST = "127.0.0.1"
+
+
+def run_cp(config: Any, docs: Sequence[torch.Tensor], cp_size: int, seed: int, pad: int
+           ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """The collator path on ``cp_size`` gloo ranks: ``(logits of the real tokens [T, V], gradients)``
+    (logits all-gathered, gradients all-reduced over the ranks). A refusal on any rank is re-raised
+    as ``NotImplementedError``, any other error as ``RuntimeError`` (both with the rank's message)."""
+    store = dist.TCPStore(_HOST, 0, world_size=cp_size + 1, is_master=True, wait_for_workers=False,
+                          timeout=datetime.timedelta(seconds=CP_TIMEOUT_S))
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    procs = [ctx.Process(target=_cp_rank, args=(r, cp_size, store.port, config, [d.tolist() for d in docs], seed,
+                                                pad, queue))
+             for r in range(cp_size)]
+    for p in procs:
+        p.start()
+    outcome: dict[int, Any] = {}
+    deadline = time.monotonic() + CP_TIMEOUT_S
+    try:
+        while len(outcome) < cp_size:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise TimeoutError(f"CP ranks did not finish within {CP_TIMEOUT_S:.0f} s (finished: {sorted(outcome)})")
+            try:
+                rank, payload = queue.get(timeout=min(remaining, 1.0))
+                outcome[rank] = payload
+            except queue_module.Empty:
+                if all(not p.is_alive() for p in procs) and len(outcome) < cp_size:
+                    raise RuntimeError(f"CP ranks exited without a result (codes {[p.exitcode for p in procs]})")
+    finally:
+        for p in procs:
+            p.join(timeout=10)
+            if p.is_alive():
+                p.kill()
+        del store  # only now: every rank has finished with the rendezvous
+    errors = [payload for payload in outcome.values() if isinstance(payload, tuple) and payload[0] == "error"]
+    if errors:
+        kind, message = errors[0][1], errors[0][2]
+        raise (NotImplementedError if kind == "refused" else RuntimeError)(message)
+    grads = {name: torch.from_numpy(g) for name, g in outcome[0]["grads"].items()}
+    return torch.from_numpy(outcome[0]["logits"]), grads
+
+
+def _cp_rank(rank: int, world: int, port: int, config: Any, docs: list[list[int]], seed: int, pad: int,
+             queue: Any) -> None:
+    """One rank: its shard forward and backward, then logits and gradients to rank 0's payload."""
+    os.environ["OMP_NUM_THREADS"] = "1"
+    torch.set_num_threads(1)
+    try:
+        store = dist.TCPStore(_HOST, port, is_master=False, timeout=datetime.timedelta(seconds=CP_TIMEOUT_S))
+        dist.init_process_group("gloo", store=store, rank=rank, world_size=world,
+                                timeout=datetime.timedelta(seconds=CP_TIMEOUT_S))
+        model = build_model(config, "blockdiag_cp", seed)
+        tensors = [torch.tensor(d) for d in docs]
+        batch = collated_batch(tensors, cp_size=world, cp_rank=rank, group=dist.group.WORLD, pad_token_id=pad)
+        shift = batch.pop("_shift_labels")[0]
+        local_index = batch["cp_context"].local_index  # this rank's positions in the row (any placement)
+        logits = forward_logits(model, **batch)[0]
+        torch.nn.functional.cross_entropy(logits.float(), shift, ignore_index=-100, reduction="sum").backward()
+        grads = {}
+        for name, p in model.named_parameters():
+            g = p.grad if p.grad is not None else torch.zeros_like(p)
+            dist.all_reduce(g)
+            grads[name] = g
+        gathered = [torch.empty_like(logits) for _ in range(world)]
+        dist.all_gather(gathered, logits.detach().contiguous())
+        where = [torch.empty_like(local_index) for _ in range(world)]
+        dist.all_gather(where, local_index)
+        full = torch.empty(world * logits.shape[0], logits.shape[1], dtype=logits.dtype)
+        full[torch.cat(where)] = torch.cat(gathered)
+        total = sum(len(d) for d in docs)
+        full = full[:total].float()
+        # numpy arrays, not tensors: torch would send tensors through shared memory that this process frees on exit.
+        payload = {"logits": full.numpy(), "grads": {n: g.detach().numpy() for n, g in grads.items()}}
+        queue.put((rank, payload if rank == 0 else {"ok": True}))
+    except Exception as err:
+        queue.put((rank, ("error", "refused" if is_refusal(err) else "error", describe_error(err))))
+    finally:
+        if dist.is_initialized():
+            with contextlib.suppress(Exception):
+                dist.destroy_process_group()

@@ -1,0 +1,209 @@
+"""The sweep as documentation: docs/models.md (counts, refusal causes, the CP = 2 sample, one row per
+architecture) and the summary block of the README, both written from the same results so they cannot
+disagree, plus :func:`read_models_table`, which reads the rows back (the docs test compares them with a
+fresh check)."""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+import transformers
+
+from .configs import CHUNK_SIZE, SLIDING_WINDOW
+from .result import EXACT, FAIL, GRAD_RTOL, LOGITS_ATOL, NOT_APPLICABLE, REFUSED, STATUSES, CheckResult, shorten
+from .runs import LENGTHS
+
+__all__ = [
+    "DETAIL_LIMIT",
+    "README_BEGIN",
+    "README_END",
+    "REFUSAL_CAUSES",
+    "markdown_table",
+    "read_models_table",
+    "readme_summary",
+    "refusal_cause",
+    "replace_readme_summary",
+]
+
+#: Refusal causes by a phrase of their message (first match wins), for the summary of the table.
+REFUSAL_CAUSES: tuple[tuple[str, str], ...] = (
+    ("does not route attention through", "attention computed outside `AttentionInterface` (refused when the model "
+                                         "is loaded)"),
+    ("carry state across the whole row", "other token mixers (state-space / linear-attention scans, sequence "
+                                         "convolutions, recurrent cells): packed rows with more than one document "
+                                         "and CP shards refused"),
+    ("forward takes no position_ids", "position embeddings counted from the row start: packed rows refused"),
+    ("padding_idx + 1", "positions offset by `padding_idx + 1` (RoBERTa family): packed rows refused"),
+    ("reads the attention mask itself", "model code uses the attention mask itself (indexers, additive masks)"),
+    ("s_aux", "attention sinks (`s_aux`) in a form blockdiag_cp does not implement"),
+    ("softcap", "logit softcapping in a form blockdiag_cp does not implement"),
+    ("bidirectional", "bidirectional (encoder) attention"),
+    ("not causal", "non-causal attention layers (e.g. cross-attention of a composite sub-model)"),
+    ("to its attention function", "an attention keyword blockdiag_cp does not implement"),
+    ("mask", "a mask pattern blockdiag_cp does not implement"),
+)
+#: Characters of a reason shown in a table cell (cut between words).
+DETAIL_LIMIT = 400
+README_BEGIN = "<!-- conformance summary: begin (written by hf_blockdiag_cp.check --readme; do not edit by hand) -->"
+README_END = "<!-- conformance summary: end -->"
+
+
+def refusal_cause(reason: str) -> str:
+    """The :data:`REFUSAL_CAUSES` entry a refusal message belongs to (``other`` if none)."""
+    return next((cause for phrase, cause in REFUSAL_CAUSES if phrase in reason), "other")
+
+
+def _counts(results: Sequence[CheckResult]) -> dict[str, int]:
+    return {s: sum(r.status == s for r in results) for s in STATUSES}
+
+
+def _versions(results: Sequence[CheckResult]) -> str:
+    """The transformers version the results were checked with (the installed one when it checked any), and
+    how many rows another version checked (rows carried over from an older sweep say so)."""
+    by_version: dict[str, int] = {}
+    for r in results:
+        version = r.transformers or transformers.__version__
+        by_version[version] = by_version.get(version, 0) + 1
+    main = transformers.__version__ if transformers.__version__ in by_version else max(by_version, key=by_version.get)
+    others = [f"{n} of {len(results)} rows carried over from a sweep with transformers {v}, not re-run"
+              for v, n in sorted(by_version.items()) if v != main]
+    return main + (f" ({'; '.join(others)})" if others else "")
+
+
+def _by_cause(results: Sequence[CheckResult]) -> list[tuple[str, list[str]]]:
+    by_cause: dict[str, list[str]] = {}
+    for r in results:
+        if r.status == REFUSED:
+            by_cause.setdefault(refusal_cause(r.reason), []).append(r.model)
+    return sorted(by_cause.items(), key=lambda kv: -len(kv[1]))
+
+
+def _cell(text: str, limit: int = DETAIL_LIMIT) -> str:
+    return shorten(text, limit).replace("|", "\\|")
+
+
+def _num(value: float | None) -> str:
+    return "" if value is None else f"{value:.0e}"
+
+
+def markdown_table(results: Sequence[CheckResult], *, title: str, seconds: float | None,
+                   cp2: Sequence[CheckResult] = (), command: str = "") -> str:
+    """The sweep as Markdown: counts, refusal causes, the CP = 2 sample, then one row per architecture."""
+    counts = _counts(results)
+    if seconds:
+        took = (f" in {seconds / 60:.0f} min on {os.cpu_count()} CPU cores (one subprocess per architecture and "
+                "CP size)")
+    else:  # rewritten from JSON lines: the checks' own times, not the sweep's wall time
+        took = f" ({sum(r.seconds for r in (*results, *cp2)) / 60:.0f} min of checks, summed)"
+    command = command or "python -m hf_blockdiag_cp.check --all --cp2-sample 12 --markdown docs/models.md"
+    lines = [
+        f"# {title}",
+        "",
+        f"Generated by `{command}` with transformers {_versions([*results, *cp2])}, "
+        f"torch {torch.__version__.split('+')[0]} (CPU, fp32): {len(results)} architectures (every entry of "
+        f"`MODEL_FOR_CAUSAL_LM_MAPPING_NAMES`){took}.",
+        "",
+        f"**{counts[EXACT]} exact, {counts[REFUSED]} refused, {counts[FAIL]} FAIL, {counts[NOT_APPLICABLE]} not "
+        "applicable.**",
+        "",
+        "Each architecture is built from a tiny random config (hidden size 64, two layers covering every layer "
+        f"type of the architecture, sliding windows of {SLIDING_WINDOW}, chunks of {CHUNK_SIZE}) and a row of "
+        f"documents of {', '.join(map(str, LENGTHS))} tokens is compared with each document run alone under the "
+        "model's stock attention:",
+        "",
+        "- *exact*: packed `position_ids`, `cu_seq_lens_*` keywords (as `DataCollatorWithFlattening` emits them) "
+        f"and `PackingCollator` batches (`cp_context`) all give logits within {LOGITS_ATOL:g} and gradients within "
+        f"{GRAD_RTOL:g} (relative) of the reference, and `generate()` (greedy, left-padded batch) gives the same "
+        "tokens as stock attention.",
+        "- *refused*: blockdiag_cp raises `NotImplementedError` naming the cause instead of computing something else "
+        "(the cause is shown; most refusals concern packed rows only, and one document per row still works).",
+        "- *FAIL*: different numbers or another error: a bug.",
+        "- *n/a*: composite / multimodal wrappers whose text model is checked as its own entry, and architectures "
+        "whose stock model cannot be built or run from a default config in this transformers version.",
+        "",
+        "Check your own model (a `model_type` or a local config / model folder, shrunk to a tiny size): "
+        "`python -m hf_blockdiag_cp.check MODEL_TYPE_OR_PATH [--cp-size 2]`, also installed as "
+        "`hf-blockdiag-cp-check`. This page and the summary in the README are written together by the sweep "
+        "(`--markdown` and `--readme`); `tests/conformance/test_conformance.py` checks the rows of its fast "
+        "list of architectures against the verdicts a fresh check gives them.",
+        "",
+    ]
+    causes = _by_cause(results)
+    if causes:
+        lines += ["## Why architectures are refused", "", "| cause | architectures |", "|---|---|"]
+        for cause, models in causes:
+            lines.append(f"| {cause} | {len(models)}: " + ", ".join(f"`{m}`" for m in models) + " |")
+        lines.append("")
+    if cp2:
+        one = {r.model: r.status for r in results}
+        c2 = _counts(cp2)
+        lines += ["## Context parallelism", "",
+                  f"At CP = 2 (two gloo ranks, `PackingCollator` batches with the K/V exchange), of {len(cp2)} "
+                  f"architectures (a sample of the exact ones, plus named ones): **{c2[EXACT]} exact, {c2[REFUSED]} "
+                  f"refused, {c2[FAIL]} FAIL, {c2[NOT_APPLICABLE]} not applicable.**", "",
+                  "| model type | CP = 1 | CP = 2 | logits | grads | detail |", "|---|---|---|---|---|---|"]
+        for r in cp2:
+            lines.append(f"| `{r.model}` | {one.get(r.model, '')} | {r.status} | {_num(r.logits_err)} | "
+                         f"{_num(r.grad_err)} | {_cell(r.reason)} |")
+        lines.append("")
+    lines += ["## Every architecture", "", "| model type | result | logits | grads | generate | detail |",
+              "|---|---|---|---|---|---|"]
+    for r in results:
+        gen = r.generate if len(r.generate) < 40 else r.generate.split(":")[0]
+        lines.append(f"| `{r.model}` | {r.status} | {_num(r.logits_err)} | {_num(r.grad_err)} | "
+                     f"{gen.replace('|', '/')} | {_cell(r.reason)} |")
+    return "\n".join(lines) + "\n"
+
+
+def readme_summary(results: Sequence[CheckResult], cp2: Sequence[CheckResult] = ()) -> str:
+    """The README's summary of the sweep (the text between :data:`README_BEGIN` and :data:`README_END`)."""
+    counts = _counts(results)
+    text = (f"For transformers {_versions([*results, *cp2])} ([docs/models.md](docs/models.md)): "
+            f"of {len(results)} causal LMs, "
+            f"**{counts[EXACT]} exact, {counts[REFUSED]} refused with the cause, {counts[FAIL]} FAIL, "
+            f"{counts[NOT_APPLICABLE]} not applicable** (composite / multimodal wrappers whose text model is its "
+            "own entry, and architectures whose stock model cannot be built or run from a default config).")
+    if cp2:
+        c2 = _counts(cp2)
+        text += (f" At CP = 2 (two gloo ranks), of {len(cp2)} architectures checked: {c2[EXACT]} exact, "
+                 f"{c2[REFUSED]} refused, {c2[FAIL]} FAIL")
+        odd = [f"`{r.model}`: {r.status}, "
+               + (refusal_cause(r.reason) if r.status == REFUSED else shorten(r.reason, 160))
+               for r in cp2 if r.status != EXACT]
+        if odd:
+            text += " (" + "; ".join(odd) + ")"
+        text += "."
+    causes = _by_cause(results)
+    if causes:
+        text += ("\n\nRefused, with the reason in the error: "
+                 + "; ".join(f"{cause} ({len(models)})" for cause, models in causes) + ".")
+    return text
+
+
+def replace_readme_summary(readme: str, summary: str) -> str:
+    """``readme`` with the text between its summary markers replaced by ``summary``."""
+    begin, end = readme.find(README_BEGIN), readme.find(README_END)
+    if begin < 0 or end < begin:
+        raise ValueError(f"the README has no summary block: add the lines {README_BEGIN!r} and {README_END!r}")
+    return readme[: begin + len(README_BEGIN)] + "\n" + summary.strip() + "\n" + readme[end:]
+
+
+_CELL_SPLIT = re.compile(r"(?<!\\)\|")
+
+
+def read_models_table(path: Path) -> dict[str, tuple[str, str]]:
+    """``model type -> (result, detail)`` from the "Every architecture" table of a docs/models.md."""
+    rows: dict[str, tuple[str, str]] = {}
+    in_table = False
+    for line in path.read_text().splitlines():
+        if line.startswith("## "):
+            in_table = line.strip() == "## Every architecture"
+            continue
+        if in_table and line.startswith("| `"):
+            cells = [c.strip() for c in _CELL_SPLIT.split(line.strip())[1:-1]]
+            rows[cells[0].strip("`")] = (cells[1], cells[-1].replace("\\|", "|"))
+    return rows
