@@ -131,7 +131,21 @@ class CPTrainer(Trainer):
                              "mesh (batches are sampled per data-parallel group): use 'random' or 'sequential'")
         if coords["cp_size"] > 1:
             self._check_cp_arguments()
+        if mesh is None and self.args.world_size > 1:
+            self._collate_on_every_process()
         guard_model(self.model)
+
+    def _collate_on_every_process(self) -> None:
+        """Without a mesh the stock loaders run; keep accelerate from dispatching batches (its default for iterable
+        datasets such as PackedDataset): it concatenates every process's batch on process 0, which a batch carrying a
+        ``cp_context`` cannot survive. Each process then collates its own rows (accelerate's IterableDatasetShard)."""
+        loader_config = self.accelerator.dataloader_config
+        if loader_config.dispatch_batches:
+            raise ValueError(f"accelerator_config.dispatch_batches=True on {self.args.world_size} processes: "
+                             "accelerate would concatenate every process's batch on process 0, which cannot carry the "
+                             "collator's cp_context; leave dispatch_batches unset (CPTrainer then collates on every "
+                             "process)")
+        loader_config.dispatch_batches = False
 
     def _check_cp_arguments(self) -> None:
         """Settings under which the Trainer's loss or the attention would be silently wrong under CP."""
