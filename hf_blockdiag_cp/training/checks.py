@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import inspect
 import os
+import warnings
 from collections.abc import Sequence
 from typing import Any
 
@@ -14,9 +15,9 @@ from torch.distributed.device_mesh import DeviceMesh
 from ..attention.hf import ATTN_IMPLEMENTATION
 from ..context import BlockDiagCPContext
 from ..data.sharding import resolve_cp
-from .mesh import cp_coordinates
+from .mesh import cp_coordinates, created_cp_size
 
-__all__ = ["accelerate_cp_setting", "check_batch", "check_collator", "check_no_accelerate_cp", "collator_topology",
+__all__ = ["accelerate_cp_setting", "check_batch", "check_collator", "check_cp_batch", "check_no_accelerate_cp", "collator_topology",
            "context_position_ids", "guard_model"]
 
 #: accelerate's own sequence-sharding settings: (ParallelismConfig field, launcher flag / config key, env var).
@@ -25,9 +26,11 @@ _ACCELERATE_SHARDING = (("cp_size", "parallelism_config_cp_size", "PARALLELISM_C
 
 
 def check_batch(model: torch.nn.Module, kwargs: dict[str, Any]) -> None:
-    """Raise if a batch with a ``cp_context`` would be silently mis-computed by ``model``."""
+    """Raise if a batch with a ``cp_context`` would be silently mis-computed by ``model`` (warn, via
+    :func:`check_cp_batch`, when a process with a CP mesh runs a batch without one)."""
     ctx = kwargs.get("cp_context")
     if ctx is None:
+        check_cp_batch(kwargs)
         return
     config = getattr(model, "config", None)
     implementation = getattr(config, "_attn_implementation", None)
@@ -42,6 +45,27 @@ def check_batch(model: torch.nn.Module, kwargs: dict[str, Any]) -> None:
             "a context-parallel batch carries labels but no shift_labels: the model would shift the labels of "
             "each shard locally, which is wrong at every rank boundary; build batches with "
             "hf_blockdiag_cp.PackingCollator (it adds shift_labels computed on the full row)")
+
+
+def check_cp_batch(kwargs: dict[str, Any]) -> None:
+    """Warn (once per process: Python's default warning filter) when a forward without a ``cp_context`` runs on a
+    process for which :func:`~hf_blockdiag_cp.init_device_mesh` built a mesh with ``cp_size > 1``.
+
+    Such a batch (e.g. from ``DataCollatorForLanguageModeling`` in a manual loop) is not sharded: every CP rank runs
+    all of it, the CP group does the work of one rank ``cp_size`` times over, and nothing fails. ``CPTrainer``
+    refuses such a collator; a model guarded by :func:`guard_model` says so here. Forwards that are meant to run
+    without CP on such a process (``generate()``, a per-rank evaluation) can ignore the warning.
+    """
+    if kwargs.get("cp_context") is not None:
+        return
+    cp_size = created_cp_size()
+    if cp_size > 1:
+        warnings.warn(
+            f"this forward has no cp_context, but hf_blockdiag_cp.init_device_mesh built a mesh with cp_size={cp_size} "
+            "on this process: the batch is not sharded, so every CP rank runs all of it. Build training batches with "
+            "hf_blockdiag_cp.PackingCollator(seq_len, group=mesh['cp'], ...) (or from_flattened(..., "
+            "group=mesh['cp'])); forwards meant to run without CP (generate(), a per-rank evaluation) may ignore this",
+            UserWarning, stacklevel=2)
 
 
 def context_position_ids(ctx: Any, given: Any, like: torch.Tensor | None) -> torch.Tensor | None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import weakref
 
 import torch
 import torch.distributed as dist
@@ -20,7 +21,11 @@ from .._validate import check_int
 from ..config import ENV_VARS, BlockDiagCPConfig
 from ..distributed.groups import group_options, group_timeout
 
-__all__ = ["check_group_timeouts", "cp_coordinates", "init_device_mesh"]
+__all__ = ["check_group_timeouts", "cp_coordinates", "created_cp_size", "init_device_mesh"]
+
+#: The largest ``cp_size`` of the meshes :func:`init_device_mesh` built, per default process group. Its one writer
+#: is :func:`init_device_mesh`, its one reader :func:`created_cp_size`; an entry goes with its process group.
+_CP_SIZE_BY_WORLD: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def init_device_mesh(cp_size: int, *, device_type: str | None = None,
@@ -60,7 +65,17 @@ def init_device_mesh(cp_size: int, *, device_type: str | None = None,
     mesh = torch_init_device_mesh(device_type, (world // cp_size, cp_size), mesh_dim_names=("dp", "cp"),
                                   backend_override=override)
     check_group_timeouts(mesh, config)
+    world_group = dist.group.WORLD
+    _CP_SIZE_BY_WORLD[world_group] = max(cp_size, _CP_SIZE_BY_WORLD.get(world_group, 1))
     return mesh
+
+
+def created_cp_size() -> int:
+    """The largest ``cp_size`` of a mesh :func:`init_device_mesh` built on this process's current default
+    process group (1 when none, or when torch.distributed is not initialised)."""
+    if not dist.is_initialized():
+        return 1
+    return _CP_SIZE_BY_WORLD.get(dist.group.WORLD, 1)
 
 
 def check_group_timeouts(mesh: DeviceMesh | None, config: BlockDiagCPConfig | None = None) -> None:
