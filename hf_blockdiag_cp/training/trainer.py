@@ -89,7 +89,8 @@ class CPTrainer(Trainer):
     """``transformers.Trainer`` for block-diagonal context parallelism on a (dp, cp) mesh.
 
     Takes every ``Trainer`` argument plus ``mesh``: the :func:`~hf_blockdiag_cp.init_device_mesh` mesh, or
-    ``None`` (no CP: the stock Trainer data path, with the set-up checks below). Use it with a
+    ``None`` (no CP: the stock Trainer data path, with the set-up checks below; on several processes every process
+    collates its own batches, since accelerate cannot dispatch a ``cp_context``). Use it with a
     :class:`~hf_blockdiag_cp.PackingCollator` built with ``group=mesh["cp"]`` and a model loaded with
     ``attn_implementation="blockdiag_cp"``; feed :class:`~hf_blockdiag_cp.PackedDataset` rows with
     ``per_device_train_batch_size=1``. Launch one process per device (``accelerate launch``/``torchrun``).

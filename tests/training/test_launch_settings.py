@@ -192,7 +192,7 @@ def _collator_worker(rank: int, world: int, tmp: str) -> dict:
 @pytest.mark.distributed
 @pytest.mark.slow
 def test_function_collators_are_accepted_when_they_expose_their_topology(tmp_path):
-    from tests.test_trainer_cp import _rank_env
+    from tests.training.test_trainer_cp import _rank_env
 
     for rank, messages in enumerate(run_ranks(_collator_worker, 2, str(tmp_path), timeout=240, env=_rank_env(2))):
         text = messages["no topology"]
