@@ -263,46 +263,67 @@ def report_measurements(cp_sizes: list[int], full_len: int, seeds: list[int], st
     return tables
 
 
+#: Panel titles of the row kinds (see :func:`make_row`).
+ROW_TITLES = {"lognormal_8": "lognormal documents, mean S/8", "lognormal_32": "lognormal documents, mean S/32",
+              "one_doc": "one document filling the row", "heavy_tail": "heavy tail: 80% S/64, 20% S/4"}
+#: One colour per placement, one marker per CP size: what the legend says.
+COLORS = {"contiguous": "tab:red", "zigzag": "tab:orange", "headtail": "tab:purple", "balanced": "tab:green"}
+MARKERS = ("o", "s", "^", "D", "v", "P")
+
+
+def balance_figure(results: dict):
+    """One panel per row kind: remote K/V per rank (x) against imbalance (y), a colour per placement and a
+    marker per CP size ``P`` (points drawn in ``sorted(results)`` order)."""
+    import matplotlib.pyplot as plt
+    from matplotlib.lines import Line2D
+
+    cp_sizes = sorted({cp_size for _, cp_size, _ in results})
+    marker = {cp_size: MARKERS[i % len(MARKERS)] for i, cp_size in enumerate(cp_sizes)}
+    fig, axes = plt.subplots(1, len(ROWS), figsize=(4.2 * len(ROWS), 4.4), sharey=True)
+    for ax, kind in zip(axes, ROWS):
+        for (k, cp_size, scheme), r in sorted(results.items()):
+            if k == kind:
+                ax.scatter(r["remote_mean"], r["imbalance_mean"], color=COLORS[scheme], marker=marker[cp_size],
+                           s=70, edgecolors="black", linewidths=0.5, alpha=0.9)
+        ax.set_title(ROW_TITLES.get(kind, kind), fontsize=11)
+        ax.set_xlabel("remote K/V per rank (fraction of S, mean)", fontsize=10)
+        ax.grid(alpha=0.3)
+    axes[0].set_ylabel("attention work: max / mean over ranks", fontsize=10)
+    placements = [Line2D([], [], color=COLORS[s], marker="o", linestyle="", markersize=9, label=s) for s in SCHEMES]
+    sizes = [Line2D([], [], color="grey", marker=marker[p], linestyle="", markersize=9, label=f"P = {p}")
+             for p in cp_sizes]
+    fig.legend(handles=placements + sizes, loc="upper center", ncol=len(placements) + len(sizes), fontsize=10,
+               frameon=False, title="colour: placement; marker: CP size P", title_fontsize=10)
+    fig.tight_layout(rect=(0, 0, 1, 0.86))
+    return fig
+
+
 def plot(results: dict, path: str) -> None:
+    """Write :func:`balance_figure` to ``path`` (a note instead when matplotlib is missing)."""
     try:
         import matplotlib
 
         matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
     except ImportError:
         print(f"\n(matplotlib not installed: no plot; pip install -e '.[bench]' to get {path})")
         return
-    fig, axes = plt.subplots(1, len(ROWS), figsize=(5 * len(ROWS), 4), sharey=True)
-    markers = {"contiguous": "o", "zigzag": "s", "headtail": "^", "balanced": "*"}
-    for ax, kind in zip(axes, ROWS):
-        for (k, cp_size, scheme), r in results.items():
-            if k != kind:
-                continue
-            ax.scatter(r["remote_mean"], r["imbalance_mean"], marker=markers[scheme],
-                       label=f"{scheme} P={cp_size}", s=60)
-            ax.annotate(str(cp_size), (r["remote_mean"], r["imbalance_mean"]), fontsize=7)
-        ax.set_title(kind)
-        ax.set_xlabel("mean remote K/V per rank (× S)")
-    axes[0].set_ylabel("imbalance (max / mean work)")
-    handles, labels = axes[0].get_legend_handles_labels()
-    fig.legend(handles[:len(SCHEMES)], [lbl.split(" ")[0] for lbl in labels[:len(SCHEMES)]], loc="upper center",
-               ncol=len(SCHEMES))
-    fig.tight_layout(rect=(0, 0, 1, 0.92))
-    fig.savefig(path, dpi=120)
+    balance_figure(results).savefig(path, dpi=120)
     print(f"\nplot: {path}")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--cp-sizes", type=int, nargs="+", default=[2, 4, 8])
-    parser.add_argument("--seq-len", type=int, default=16384)
-    parser.add_argument("--seeds", type=int, default=100)
-    parser.add_argument("--no-measure", action="store_true")
-    parser.add_argument("--measure-seq-len", type=int, default=16384)
-    parser.add_argument("--measure-cp-sizes", type=int, nargs="+", default=[2, 4])
-    parser.add_argument("--measure-seeds", type=int, nargs="+", default=[0, 1, 2])
-    parser.add_argument("--steps", type=int, default=3)
-    parser.add_argument("--out", default="bench_balance.png")
+    parser.add_argument("--cp-sizes", type=int, nargs="+", default=[2, 4, 8], help="CP sizes P simulated (part 1)")
+    parser.add_argument("--seq-len", type=int, default=16384, help="row length S of the simulation")
+    parser.add_argument("--seeds", type=int, default=100, help="rows simulated per row kind and P")
+    parser.add_argument("--no-measure", action="store_true", help="skip part 2 (the gloo measurement)")
+    parser.add_argument("--measure-seq-len", type=int, default=16384, help="row length S of the measurement")
+    parser.add_argument("--measure-cp-sizes", type=int, nargs="+", default=[2, 4],
+                        help="CP sizes measured (one gloo process per rank)")
+    parser.add_argument("--measure-seeds", type=int, nargs="+", default=[0, 1, 2], help="row seeds measured")
+    parser.add_argument("--steps", type=int, default=3, help="training steps per measured row (median reported)")
+    parser.add_argument("--out", default="bench_balance.png",
+                        help="PNG of the simulation (needs matplotlib: pip install -e '.[bench]')")
     args = parser.parse_args()
     torch.set_num_threads(1)
     results = simulate(args.cp_sizes, args.seq_len, args.seeds)

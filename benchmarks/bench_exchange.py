@@ -145,14 +145,15 @@ def timing(cp_sizes: list[int], full_len: int, iters: int) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--seq-len", type=int, default=16384)
-    parser.add_argument("--seeds", type=int, default=200)
-    parser.add_argument("--sigma", type=float, default=1.0)
-    parser.add_argument("--cp-sizes", type=int, nargs="+", default=[2, 4, 8])
-    parser.add_argument("--timing-cp-sizes", type=int, nargs="+", default=[2, 4])
-    parser.add_argument("--timing-seq-len", type=int, default=8192)
-    parser.add_argument("--iters", type=int, default=3)
-    parser.add_argument("--no-timing", action="store_true")
+    parser.add_argument("--seq-len", type=int, default=16384, help="row length S of the simulation (part 1)")
+    parser.add_argument("--seeds", type=int, default=200, help="rows simulated per CP size")
+    parser.add_argument("--sigma", type=float, default=1.0, help="lognormal sigma of the document lengths")
+    parser.add_argument("--cp-sizes", type=int, nargs="+", default=[2, 4, 8], help="CP sizes P simulated")
+    parser.add_argument("--timing-cp-sizes", type=int, nargs="+", default=[2, 4],
+                        help="CP sizes timed on gloo (part 2; one process per rank)")
+    parser.add_argument("--timing-seq-len", type=int, default=8192, help="row length S of the timing")
+    parser.add_argument("--iters", type=int, default=3, help="timed iterations per strategy (median reported)")
+    parser.add_argument("--no-timing", action="store_true", help="skip part 2 (the gloo timing)")
     args = parser.parse_args()
     simulate(args.cp_sizes, args.seq_len, args.seeds, args.sigma)
     if not args.no_timing:

@@ -30,7 +30,7 @@ the output (and gradients), ``O(S * H * D)``; a ``[S, S]`` float32 tensor would 
 (1 GiB at S = 16384). Each ``(S, dtype, mode)`` runs in a fresh subprocess so that one
 configuration's allocator state cannot hide another's peak.
 
-    python benchmarks/bench_kernels.py --threads 1
+    python benchmarks/bench_kernels.py --threads 1          # plot: bench_kernels.png, rows: bench_kernels.json
     python benchmarks/bench_kernels.py --device cuda --quick --out /tmp/bench.png
 """
 
@@ -279,7 +279,7 @@ def save_plot(rows: list[dict], path: str) -> None:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        print(f"\n(matplotlib is not installed: no plot written to {path})")
+        print(f"\n(matplotlib is not installed: no plot written to {path}; pip install -e '.[bench]')")
         return
     configs = sorted({(r["seq_len"], r["dtype"], r["mode"]) for r in rows})
     methods = list(dict.fromkeys(r["method"] for r in rows))
@@ -305,20 +305,23 @@ def save_plot(rows: list[dict], path: str) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--device", default="cpu", help="torch device of the inputs: cpu, cuda or cuda:N")
     parser.add_argument("--seq-lens", type=int, nargs="+", default=None, help="default 4096 16384 (--quick: 4096)")
     parser.add_argument("--dtypes", nargs="+", choices=sorted(DTYPES), default=None,
                         help="default fp32 bf16 (--quick on CUDA: bf16)")
-    parser.add_argument("--modes", nargs="+", choices=["fwd", "fwd+bwd"], default=["fwd", "fwd+bwd"])
+    parser.add_argument("--modes", nargs="+", choices=["fwd", "fwd+bwd"], default=["fwd", "fwd+bwd"],
+                        help="forward only (no_grad) and/or forward + backward for q, k, v")
     parser.add_argument("--methods", nargs="+", default=None,
                         help=f"backend names and/or '{NAIVE}', '{DENSE}' (default: all)")
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads (0 = torch default)")
     parser.add_argument("--repeats", type=int, default=None, help="timed runs after the warm-up (default 3, quick 2)")
     parser.add_argument("--budget-s", type=float, default=30.0, help="rough cap on timed seconds per row")
     parser.add_argument("--sigma", type=float, default=1.0, help="lognormal sigma of document lengths")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=0, help="seed of the document lengths and the inputs")
     parser.add_argument("--quick", action="store_true", help="one short sequence length, fewer repeats")
-    parser.add_argument("--out", default=None, help="PNG path for a plot (also writes the rows as JSON next to it)")
+    parser.add_argument("--out", default="bench_kernels.png",
+                        help="PNG path of the plot (needs matplotlib: pip install -e '.[bench]'); the rows go to a "
+                             "JSON file next to it; '' writes neither")
     parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
 

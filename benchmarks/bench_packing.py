@@ -7,7 +7,7 @@ documents (as :class:`hf_blockdiag_cp.PackedDataset` does) instead of all at onc
 baselines live here, not in the package: nothing but this comparison uses them.
 
     python benchmarks/bench_packing.py
-    python benchmarks/bench_packing.py --seq-len 8192 --median 600 --docs 20000 --buffer 1000
+    python benchmarks/bench_packing.py --seq-len 8192 --medians 600 --docs 20000 --buffer 1000
 """
 
 from __future__ import annotations
@@ -81,12 +81,13 @@ def measure(lengths: list[int], seq_len: int, buffer: int | None) -> dict[str, t
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--seq-len", type=int, default=4096)
-    parser.add_argument("--docs", type=int, default=10000)
-    parser.add_argument("--medians", type=float, nargs="+", default=[200.0, 600.0, 1500.0])
-    parser.add_argument("--sigma", type=float, default=1.0)
-    parser.add_argument("--seeds", type=int, default=3)
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--seq-len", type=int, default=4096, help="tokens per packed row")
+    parser.add_argument("--docs", type=int, default=10000, help="documents drawn per seed")
+    parser.add_argument("--medians", type=float, nargs="+", default=[200.0, 600.0, 1500.0],
+                        help="median document lengths (one table row each)")
+    parser.add_argument("--sigma", type=float, default=1.0, help="lognormal sigma of the document lengths")
+    parser.add_argument("--seeds", type=int, default=3, help="seeds averaged per row")
     parser.add_argument("--buffer", type=int, default=None, help="documents per packing buffer (default: all)")
     args = parser.parse_args()
     print(f"seq_len={args.seq_len}, {args.docs} documents, lognormal sigma={args.sigma}, "

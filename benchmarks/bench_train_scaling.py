@@ -115,8 +115,9 @@ def longest(cp: int, budget_gib: float, steps: int, start: int, extra: list[str]
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--seq-lens", type=int, nargs="+", default=[8192, 32768])
-    p.add_argument("--steps", type=int, default=4)
+    p.add_argument("--seq-lens", type=int, nargs="+", default=[8192, 32768],
+                   help="total row lengths (all CP ranks together) of the throughput table")
+    p.add_argument("--steps", type=int, default=4, help="training steps per run (the first is not timed)")
     p.add_argument("--max-memory-gib", type=float, default=None, help="find the longest seq_len within this budget")
     p.add_argument("--start", type=int, default=65536, help="first of the two probes of the search")
     p.add_argument("--scope", choices=["rank", "total"], default="rank",

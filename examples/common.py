@@ -6,17 +6,22 @@ Nothing here downloads anything unless asked to (a hub id for ``--model`` / a da
 
 from __future__ import annotations
 
+import argparse
+import contextlib
 import glob
 import json
 import os
+import sys
 import sysconfig
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
-DEFAULT_MODEL = str(Path(__file__).resolve().parent.parent / "configs" / "model" / "tiny-llama.json")
+ROOT = Path(__file__).resolve().parent.parent
+DEFAULT_MODEL = str(ROOT / "configs" / "model" / "tiny-llama.json")
 
 
 @dataclass(frozen=True)
@@ -87,8 +92,9 @@ def split_top_level(source: str) -> list[str]:
 
 def read_corpus(data: str | None, max_docs: int | None, max_chars: int | None = None) -> Iterator[str]:
     """Documents as text from ``data``: ``None`` / ``"stdlib"`` (every top-level definition of the
-    standard library's modules, tens to thousands of bytes each), ``"stdlib-files"`` (whole modules), a glob of text files, a ``.jsonl`` file
-    (field ``text``), or a Hugging Face ``datasets`` name (``name[:config]``, split ``train``, field ``text``)."""
+    standard library's modules, tens to thousands of bytes each), ``"stdlib-files"`` (whole modules), a glob of
+    text files, a ``.jsonl`` file (field ``text``), or a Hugging Face ``datasets`` name (``name[:config]``, split
+    ``train``, field ``text``)."""
     count = 0
 
     def emit(text: str) -> Iterator[str]:
@@ -163,8 +169,19 @@ def tokenize(tokenizer, text: str) -> list[int]:
     return ids
 
 
-def add_common_args(parser) -> None:
-    """The options both examples share (the data, the model, CP and the report)."""
+def example_parser(description: str, *, trainer: bool = False) -> argparse.ArgumentParser:
+    """The command line of an example: the options every example shares (:func:`add_common_args`) and, with
+    ``trainer``, those of the ``Trainer``-driven ones (``--grad-accum``, ``--max-grad-norm``)."""
+    p = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_common_args(p)
+    if trainer:
+        p.add_argument("--grad-accum", type=int, default=1, help="packed rows per optimizer step and DP group")
+        p.add_argument("--max-grad-norm", type=float, default=1.0, help="the Trainer's gradient clipping (0: off)")
+    return p
+
+
+def add_common_args(parser: argparse.ArgumentParser) -> None:
+    """The options every example shares (the data, the model, CP, LoRA and the report)."""
     import hf_blockdiag_cp as bd
 
     p = parser
@@ -178,13 +195,13 @@ def add_common_args(parser) -> None:
     p.add_argument("--cp-size", type=int, default=None,
                    help="ranks sharing one row (must divide the world size); default: all processes form one CP "
                         "group (use --cp-size 1 for plain data parallelism)")
-    p.add_argument("--backend", default="auto", choices=bd.BACKENDS)
-    p.add_argument("--kv-exchange", default="auto", choices=bd.KV_EXCHANGES)
+    p.add_argument("--backend", default="auto", choices=bd.BACKENDS, help="attention kernel ('auto' picks one)")
+    p.add_argument("--kv-exchange", default="auto", choices=bd.KV_EXCHANGES, help="how CP ranks exchange K/V")
     p.add_argument("--steps", type=int, default=20, help="optimizer steps")
-    p.add_argument("--lr", type=float, default=3e-3)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-    p.add_argument("--grad-checkpointing", action="store_true")
+    p.add_argument("--lr", type=float, default=3e-3, help="learning rate (constant)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the model, the adapters and the row order")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="parameter dtype")
+    p.add_argument("--grad-checkpointing", action="store_true", help="activation checkpointing (recompute in backward)")
     p.add_argument("--mixed-precision", default="no", choices=["no", "bf16", "fp16"],
                    help="run the forward under torch.autocast (parameters stay in --dtype); the parity check "
                         "compares with a float32 run, so expect differences of the autocast dtype's rounding")
@@ -192,7 +209,7 @@ def add_common_args(parser) -> None:
                    help="re-run the first step without CP and print both losses and the max gradient difference")
     p.add_argument("--output-dir", default=None, help="save the trained model here")
     p.add_argument("--summary-json", default=None, help="write the final summary here (main process)")
-    p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--lora", action="store_true", help="train a PEFT LoRA adapter instead of all weights")
     p.add_argument("--lora-r", type=int, default=8, help="LoRA rank")
     p.add_argument("--lora-alpha", type=float, default=16.0, help="LoRA scaling numerator (scale = alpha / r)")
@@ -207,10 +224,115 @@ def resolve_cp_size(requested: int | None, world: int) -> int:
     """The CP size of a run: ``--cp-size`` if given, else every process in one CP group (the one place the
     default is decided; ``--cp-size 1`` asks for plain data parallelism)."""
     cp_size = world if requested is None else requested
+    if cp_size < 1:
+        raise SystemExit(f"--cp-size {cp_size}: give a positive number of ranks per CP group")
     if world == 1 and cp_size > 1:
         raise SystemExit(f"--cp-size {cp_size} needs {cp_size} processes: launch with accelerate launch "
                          "--config_file configs/accelerate/cpu_cp2.yaml (or torchrun)")
+    if world % cp_size:
+        divisors = ", ".join(str(d) for d in range(1, world + 1) if world % d == 0)
+        raise SystemExit(f"--cp-size {cp_size} does not divide the {world} launched processes: use a --cp-size "
+                         f"that does ({divisors}), or launch a multiple of {cp_size} processes")
     return cp_size
+
+
+def launch_mesh(args: argparse.Namespace, config: Any) -> Any:
+    """The ``("dp", "cp")`` mesh of a ``Trainer``-driven example (``None`` on one process).
+
+    The process group's timeout follows ``HF_BLOCKDIAG_CP_COLLECTIVE_TIMEOUT_S`` (``CPTrainer`` refuses a longer
+    one). transformers 5.24 passes ``ddp_timeout`` on only without ``use_cpu``, so ``init_device_mesh`` creates
+    the group first, with that timeout, and the Trainer's accelerate state adopts it.
+    """
+    import hf_blockdiag_cp as bd
+
+    launched = int(os.environ.get("WORLD_SIZE", "1"))
+    cp_size = resolve_cp_size(args.cp_size, launched)
+    return bd.init_device_mesh(cp_size, config=config) if launched > 1 else None
+
+
+def trainer_arguments(args: argparse.Namespace, config: Any, output_dir: str) -> dict[str, Any]:
+    """The ``TrainingArguments`` (or ``trl.SFTConfig``) keywords the ``Trainer``-driven examples share.
+
+    ``use_cpu`` on a machine without GPU: ``accelerate launch`` (torchrun path) + ``use_cpu=True`` gives a
+    MULTI_CPU gloo run.
+    """
+    import torch
+
+    return dict(
+        output_dir=output_dir, use_cpu=not torch.cuda.is_available(), max_steps=args.steps,
+        per_device_train_batch_size=1, gradient_accumulation_steps=args.grad_accum, learning_rate=args.lr,
+        lr_scheduler_type="constant", warmup_steps=0, max_grad_norm=args.max_grad_norm, logging_steps=1,
+        save_strategy="no", report_to=[], seed=args.seed, disable_tqdm=args.no_progress,
+        activation_checkpointing=args.grad_checkpointing, ddp_find_unused_parameters=False,
+        ddp_timeout=int(config.process_group_timeout.total_seconds()),
+        bf16=args.mixed_precision == "bf16", fp16=args.mixed_precision == "fp16")
+
+
+def launched_rank() -> int:
+    """This process's global rank as the launcher set it (0 without a launcher)."""
+    return int(os.environ.get("RANK", "0"))
+
+
+def quiet_other_ranks() -> None:
+    """Only the main process prints progress bars and library INFO/WARNING logs (``datasets``' and TRL's dataset
+    preparation, transformers' logging); the others print errors only."""
+    if launched_rank() == 0:
+        return
+    import transformers
+
+    transformers.utils.logging.set_verbosity_error()
+    transformers.utils.logging.disable_progress_bar()
+    try:
+        import datasets
+    except ImportError:  # only the TRL example and --data NAME need it
+        return
+    datasets.disable_progress_bars()
+    datasets.utils.logging.set_verbosity_error()
+
+
+#: transformers' message when ``attn_implementation="blockdiag_cp"`` was never registered.
+_NOT_REGISTERED = 'attn_implementation="blockdiag_cp"` is not supported'
+
+
+@contextlib.contextmanager
+def one_line_errors() -> Iterator[None]:
+    """Set-up mistakes end the run with one line on the main process (exit status 2) instead of a traceback on
+    every rank: the package's refusals and the examples' checks (``ValueError`` / ``NotImplementedError`` raised in
+    ``hf_blockdiag_cp`` or ``examples``, whose messages name the fix; ``SystemExit`` with a message) and transformers'
+    unknown ``attn_implementation="blockdiag_cp"`` (with the hint). Wrap the set-up only: it is the same on every
+    rank, while an error during training may come from one rank alone and keeps its traceback."""
+    try:
+        yield
+    except SystemExit as err:
+        if not isinstance(err.code, str):
+            raise
+        _exit_with(err.code)
+    except (ValueError, NotImplementedError) as err:
+        message = str(err)
+        if _NOT_REGISTERED in message:
+            message = ('attn_implementation="blockdiag_cp" is not registered with transformers: '
+                       "`import hf_blockdiag_cp` before loading the model (the import registers it)")
+        elif not _raised_here(err):
+            raise
+        _exit_with(f"{type(err).__name__}: {message}")
+
+
+def _raised_here(err: BaseException) -> bool:
+    """Whether ``err`` was raised by the package or by an example (not by a library they call)."""
+    tb = err.__traceback__
+    while tb is not None and tb.tb_next is not None:
+        tb = tb.tb_next
+    if tb is None:
+        return False
+    module = str(tb.tb_frame.f_globals.get("__name__", ""))
+    in_examples = Path(tb.tb_frame.f_code.co_filename).resolve().parent == ROOT / "examples"
+    return module.split(".")[0] == "hf_blockdiag_cp" or in_examples
+
+
+def _exit_with(message: str) -> None:
+    if launched_rank() == 0:
+        print(f"error: {message}", file=sys.stderr, flush=True)
+    raise SystemExit(2)
 
 
 def refuse_accelerate_cp() -> None:

@@ -14,7 +14,6 @@ document of those rows alone through stock ``sdpa`` attention.
 
 from __future__ import annotations
 
-import argparse
 import copy
 import json
 import logging
@@ -29,14 +28,17 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import hf_blockdiag_cp as bd  # noqa: E402  (registers attn_implementation="blockdiag_cp")
 from common import (  # noqa: E402
-    add_common_args,
     apply_lora,
     byte_chat_tokenizer,
+    example_parser,
     full_row,
+    launch_mesh,
+    one_line_errors,
+    quiet_other_ranks,
     read_corpus,
     refuse_accelerate_cp,
     report,
-    resolve_cp_size,
+    trainer_arguments,
 )
 from trainer_packed_cp import StepProbe, measure_run  # noqa: E402
 
@@ -45,16 +47,13 @@ logger = logging.getLogger("sft_trl_cp")
 FORMATS = ("conversational", "prompt-completion", "text")
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_common_args(p)
+def parse_args(argv: list[str] | None = None):
+    p = example_parser(__doc__, trainer=True)
     p.add_argument("--format", default="conversational", choices=FORMATS,
                    help="TRL dataset type: chat prompt/completion (completion-only loss through the chat template), "
                         "plain prompt/completion (completion-only loss), or plain text (loss on every token)")
     p.add_argument("--eval-docs", type=int, default=4, help="the last N documents form the eval split (0: none)")
     p.add_argument("--no-packing", action="store_true", help="one example per row (SFTConfig(packing=False))")
-    p.add_argument("--grad-accum", type=int, default=1, help="packed rows per optimizer step and DP group")
-    p.add_argument("--max-grad-norm", type=float, default=1.0, help="the Trainer's gradient clipping (0: off)")
     return p.parse_args(argv)
 
 
@@ -160,48 +159,40 @@ def eval_reference(model, rows, dp_size: int, device) -> float:
 
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
-    refuse_accelerate_cp()  # before SFTConfig starts accelerate
-    import datasets
-    from trl import SFTConfig
+    quiet_other_ranks()
+    with one_line_errors():  # set-up mistakes: one line on the main process
+        refuse_accelerate_cp()  # before SFTConfig starts accelerate
+        import datasets
+        from trl import SFTConfig
 
-    output_dir = args.output_dir or tempfile.mkdtemp(prefix="sft_trl_cp_")
-    config = bd.BlockDiagCPConfig(backend=args.backend, kv_exchange=args.kv_exchange)
-    # The process group's timeout follows HF_BLOCKDIAG_CP_COLLECTIVE_TIMEOUT_S (CPTrainer refuses a longer
-    # one). transformers 5.24 passes ddp_timeout on only without use_cpu, so init_device_mesh creates the
-    # group first, with that timeout, and the Trainer's accelerate state adopts it.
-    launched = int(os.environ.get("WORLD_SIZE", "1"))
-    cp_size = resolve_cp_size(args.cp_size, launched)
-    mesh = bd.init_device_mesh(cp_size, config=config) if launched > 1 else None
-    sft_args = SFTConfig(
-        output_dir=output_dir, use_cpu=not torch.cuda.is_available(), max_steps=args.steps,
-        bf16=args.mixed_precision == "bf16", fp16=args.mixed_precision == "fp16",
-        max_length=args.seq_len, packing=not args.no_packing, per_device_train_batch_size=1,
-        per_device_eval_batch_size=1, gradient_accumulation_steps=args.grad_accum, learning_rate=args.lr,
-        lr_scheduler_type="constant", warmup_steps=0, max_grad_norm=args.max_grad_norm, logging_steps=1,
-        save_strategy="no", report_to=[], seed=args.seed, disable_tqdm=args.no_progress,
-        gradient_checkpointing=args.grad_checkpointing, ddp_find_unused_parameters=False, dataset_num_proc=None,
-        ddp_timeout=int(config.process_group_timeout.total_seconds()))
-    device, world = sft_args.device, sft_args.world_size  # .device started accelerate (the process group)
-    main_process = sft_args.process_index == 0
-    logging.basicConfig(level=logging.INFO if main_process else logging.WARNING,
-                        format="%(asctime)s %(name)s: %(message)s")
-    coords = bd.cp_coordinates(mesh)
+        output_dir = args.output_dir or tempfile.mkdtemp(prefix="sft_trl_cp_")
+        config = bd.BlockDiagCPConfig(backend=args.backend, kv_exchange=args.kv_exchange)
+        mesh = launch_mesh(args, config)
+        sft_args = SFTConfig(**trainer_arguments(args, config, output_dir), max_length=args.seq_len,
+                             packing=not args.no_packing, per_device_eval_batch_size=1, dataset_num_proc=None)
+        device, world = sft_args.device, sft_args.world_size  # .device started accelerate (the process group)
+        main_process = sft_args.process_index == 0
+        logging.basicConfig(level=logging.INFO if main_process else logging.WARNING,
+                            format="%(asctime)s %(name)s: %(message)s")
+        coords = bd.cp_coordinates(mesh)
 
-    model, tokenizer = load_model(args.model, getattr(torch, args.dtype))
-    model = apply_lora(model, args)
-    texts = list(read_corpus(args.data, args.max_docs, args.max_chars))
-    split = len(texts) - args.eval_docs if args.eval_docs > 0 else len(texts)
-    train = datasets.Dataset.from_list(sft_examples(texts[:split], args.format))
-    evaluation = datasets.Dataset.from_list(sft_examples(texts[split:], args.format)) if split < len(texts) else None
-    logger.info("%d train / %d eval examples (%s), seq_len %d, world %d = dp %d x cp %d, lora %s", len(train),
-                len(texts) - split, args.format, args.seq_len, world, coords.dp_size, coords.cp_size, args.lora)
+        model, tokenizer = load_model(args.model, getattr(torch, args.dtype))
+        model = apply_lora(model, args)
+        texts = list(read_corpus(args.data, args.max_docs, args.max_chars))
+        split = len(texts) - args.eval_docs if args.eval_docs > 0 else len(texts)
+        train = datasets.Dataset.from_list(sft_examples(texts[:split], args.format))
+        evaluation = (datasets.Dataset.from_list(sft_examples(texts[split:], args.format)) if split < len(texts)
+                      else None)
+        logger.info("%d train / %d eval examples (%s), seq_len %d, world %d = dp %d x cp %d, lora %s", len(train),
+                    len(texts) - split, args.format, args.seq_len, world, coords.dp_size, coords.cp_size,
+                    args.lora)
 
-    # The reference runs no collective after training: only the main process needs the model copy. Taken before
-    # the trainer exists: TRL patches the forward of the model it is given.
-    reference = copy.deepcopy(model) if args.check_parity and main_process else None
-    probe = StepProbe(keep_grads=args.check_parity)
-    trainer = make_trainer_class()(model=model, args=sft_args, train_dataset=train, eval_dataset=evaluation,
-                                   processing_class=tokenizer, callbacks=[probe], mesh=mesh, cp_config=config)
+        # The reference runs no collective after training: only the main process needs the model copy. Taken
+        # before the trainer exists: TRL patches the forward of the model it is given.
+        reference = copy.deepcopy(model) if args.check_parity and main_process else None
+        probe = StepProbe(keep_grads=args.check_parity)
+        trainer = make_trainer_class()(model=model, args=sft_args, train_dataset=train, eval_dataset=evaluation,
+                                       processing_class=tokenizer, callbacks=[probe], mesh=mesh, cp_config=config)
     eval_loss = trainer.evaluate()["eval_loss"] if evaluation is not None else None  # before any update
     trainer.train()
 

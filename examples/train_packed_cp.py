@@ -11,7 +11,6 @@ over the whole step (see hf_blockdiag_cp.normalize_num_items).
 
 from __future__ import annotations
 
-import argparse
 import copy
 import logging
 import os
@@ -25,12 +24,14 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import hf_blockdiag_cp as bd  # noqa: E402  (registers attn_implementation="blockdiag_cp")
 from common import (  # noqa: E402
-    add_common_args,
     apply_lora,
+    example_parser,
     gather_floats,
     load_documents,
     load_model_and_tokenizer,
+    one_line_errors,
     peak_memory_bytes,
+    quiet_other_ranks,
     refuse_accelerate_cp,
     report,
     resolve_cp_size,
@@ -40,9 +41,8 @@ from hf_blockdiag_cp.attention.cp import comm_stats  # noqa: E402
 logger = logging.getLogger("train_packed_cp")
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_common_args(p)
+def parse_args(argv: list[str] | None = None):
+    p = example_parser(__doc__)
     p.add_argument("--fsdp2", action="store_true",
                    help="shard the model with torch FSDP2 (fully_shard per decoder layer) over all ranks instead of "
                         "DDP; works on CPU too (accelerate's own FSDP config needs GPUs)")
@@ -108,56 +108,58 @@ def _fully_shard(model: torch.nn.Module, device: torch.device) -> None:
 
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
-    if args.fsdp2 and args.lora:
-        raise SystemExit("--fsdp2 with --lora is not covered by tests: use one of them")
-    refuse_accelerate_cp()
-    from accelerate import Accelerator
-    from accelerate.utils import InitProcessGroupKwargs
+    quiet_other_ranks()
+    with one_line_errors():  # set-up mistakes: one line on the main process
+        if args.fsdp2 and args.lora:
+            raise SystemExit("--fsdp2 with --lora is not covered by tests: use one of them")
+        refuse_accelerate_cp()
+        from accelerate import Accelerator
+        from accelerate.utils import InitProcessGroupKwargs
 
-    config = bd.BlockDiagCPConfig(backend=args.backend, kv_exchange=args.kv_exchange)
-    # On CPU, accelerate spawns several processes only through its torchrun path (distributed_type
-    # MULTI_GPU in the config); cpu=True then makes it a gloo MULTI_CPU run. The process group's
-    # timeout follows HF_BLOCKDIAG_CP_COLLECTIVE_TIMEOUT_S: DDP's collectives would otherwise wait 30
-    # minutes for a stalled peer (init_device_mesh refuses a longer one).
-    accelerator = Accelerator(cpu=not torch.cuda.is_available(), mixed_precision=args.mixed_precision,
-                              kwargs_handlers=[InitProcessGroupKwargs(timeout=config.process_group_timeout)])
-    logging.basicConfig(level=logging.INFO if accelerator.is_main_process else logging.WARNING,
-                        format="%(asctime)s %(name)s: %(message)s")
-    torch.manual_seed(args.seed)
-    world = accelerator.num_processes
-    cp_size = resolve_cp_size(args.cp_size, world)
-    mesh = bd.init_device_mesh(cp_size, config=config) if world > 1 else None
-    coords = bd.cp_coordinates(mesh)
-    dtype = getattr(torch, args.dtype)
+        config = bd.BlockDiagCPConfig(backend=args.backend, kv_exchange=args.kv_exchange)
+        # On CPU, accelerate spawns several processes only through its torchrun path (distributed_type
+        # MULTI_GPU in the config); cpu=True then makes it a gloo MULTI_CPU run. The process group's
+        # timeout follows HF_BLOCKDIAG_CP_COLLECTIVE_TIMEOUT_S: DDP's collectives would otherwise wait 30
+        # minutes for a stalled peer (init_device_mesh refuses a longer one).
+        accelerator = Accelerator(cpu=not torch.cuda.is_available(), mixed_precision=args.mixed_precision,
+                                  kwargs_handlers=[InitProcessGroupKwargs(timeout=config.process_group_timeout)])
+        logging.basicConfig(level=logging.INFO if accelerator.is_main_process else logging.WARNING,
+                            format="%(asctime)s %(name)s: %(message)s")
+        torch.manual_seed(args.seed)
+        world = accelerator.num_processes
+        cp_size = resolve_cp_size(args.cp_size, world)
+        mesh = bd.init_device_mesh(cp_size, config=config) if world > 1 else None
+        coords = bd.cp_coordinates(mesh)
+        dtype = getattr(torch, args.dtype)
 
-    model, tokenizer = load_model_and_tokenizer(args.model, dtype)
-    model.config.use_cache = False
-    if args.grad_checkpointing:
-        model.activation_checkpointing_enable()  # also makes the embeddings' output require grad (for LoRA)
-    model = apply_lora(model, args)
-    docs = load_documents(args, tokenizer)
-    dataset = bd.PackedDataset(docs, args.seq_len, seed=args.seed)
-    collator = bd.PackingCollator(args.seq_len, group=mesh["cp"] if mesh is not None else None,
-                                  pad_token_id=tokenizer.pad_token_id, config=config)
-    bd.check_collator(collator, mesh)
-    loader = bd.dp_dataloader(dataset, mesh, collate_fn=collator)
-    logger.info("%d documents (%d tokens), seq_len %d, world %d = dp %d x cp %d, backend %s, kv_exchange %s",
-                len(docs), sum(len(d["input_ids"]) for d in docs), args.seq_len, world, coords.dp_size,
-                coords.cp_size, args.backend, args.kv_exchange)
+        model, tokenizer = load_model_and_tokenizer(args.model, dtype)
+        model.config.use_cache = False
+        if args.grad_checkpointing:
+            model.activation_checkpointing_enable()  # also makes the embeddings' output require grad (for LoRA)
+        model = apply_lora(model, args)
+        docs = load_documents(args, tokenizer)
+        dataset = bd.PackedDataset(docs, args.seq_len, seed=args.seed)
+        collator = bd.PackingCollator(args.seq_len, group=mesh["cp"] if mesh is not None else None,
+                                      pad_token_id=tokenizer.pad_token_id, config=config)
+        bd.check_collator(collator, mesh)
+        loader = bd.dp_dataloader(dataset, mesh, collate_fn=collator)
+        logger.info("%d documents (%d tokens), seq_len %d, world %d = dp %d x cp %d, backend %s, kv_exchange %s",
+                    len(docs), sum(len(d["input_ids"]) for d in docs), args.seq_len, world, coords.dp_size,
+                    coords.cp_size, args.backend, args.kv_exchange)
 
-    model = bd.guard_model(model.to(accelerator.device))
-    ref_model = copy.deepcopy(model) if args.check_parity else None
-    if args.fsdp2:
-        if accelerator.distributed_type.value == "FSDP":
-            raise SystemExit("--fsdp2 shards the model itself: use it with a MULTI_GPU accelerate config, not FSDP")
-        _fully_shard(model, accelerator.device)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
-    if world > 1 and not args.fsdp2:
-        model, optimizer = accelerator.prepare(model, optimizer)
-    model.train()
-    wrapper = type(model).__name__
-    sharded = any(hasattr(p, "full_tensor") for p in model.parameters())
-    logger.info("model wrapped as %s%s", wrapper, " (FSDP2: DTensor parameters)" if sharded else "")
+        model = bd.guard_model(model.to(accelerator.device))
+        ref_model = copy.deepcopy(model) if args.check_parity else None
+        if args.fsdp2:
+            if accelerator.distributed_type.value == "FSDP":
+                raise SystemExit("--fsdp2 shards the model itself: use it with a MULTI_GPU accelerate config, not FSDP")
+            _fully_shard(model, accelerator.device)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
+        if world > 1 and not args.fsdp2:
+            model, optimizer = accelerator.prepare(model, optimizer)
+        model.train()
+        wrapper = type(model).__name__
+        sharded = any(hasattr(p, "full_tensor") for p in model.parameters())
+        logger.info("model wrapped as %s%s", wrapper, " (FSDP2: DTensor parameters)" if sharded else "")
 
     progress = None
     if accelerator.is_main_process and not args.no_progress:

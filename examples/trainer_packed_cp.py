@@ -11,7 +11,6 @@ configs/model/tiny-llama.json, a byte-level tokenizer, the Python standard libra
 
 from __future__ import annotations
 
-import argparse
 import copy
 import logging
 import os
@@ -28,27 +27,27 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import hf_blockdiag_cp as bd  # noqa: E402  (registers attn_implementation="blockdiag_cp")
 from common import (  # noqa: E402
-    add_common_args,
     apply_lora,
+    example_parser,
     full_row,
     gather_floats,
+    launch_mesh,
     load_documents,
     load_model_and_tokenizer,
+    one_line_errors,
     peak_memory_bytes,
+    quiet_other_ranks,
     refuse_accelerate_cp,
     report,
-    resolve_cp_size,
+    trainer_arguments,
 )
 from hf_blockdiag_cp.attention.cp import comm_stats  # noqa: E402
 
 logger = logging.getLogger("trainer_packed_cp")
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_common_args(p)
-    p.add_argument("--grad-accum", type=int, default=1, help="packed rows per optimizer step and DP group")
-    p.add_argument("--max-grad-norm", type=float, default=1.0, help="the Trainer's gradient clipping (0: off)")
+def parse_args(argv: list[str] | None = None):
+    p = example_parser(__doc__, trainer=True)
     p.add_argument("--num-workers", type=int, default=0, help="DataLoader workers (they pack and plan rows)")
     return p.parse_args(argv)
 
@@ -146,48 +145,38 @@ def measure_run(trainer, probe, world: int, coords: bd.training.CPCoordinates, k
 
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
-    refuse_accelerate_cp()  # before TrainingArguments starts accelerate
-    output_dir = args.output_dir or tempfile.mkdtemp(prefix="trainer_packed_cp_")
-    config = bd.BlockDiagCPConfig(backend=args.backend, kv_exchange=args.kv_exchange)
-    # The process group's timeout follows HF_BLOCKDIAG_CP_COLLECTIVE_TIMEOUT_S (CPTrainer refuses a longer
-    # one). transformers 5.24 passes ddp_timeout on only without use_cpu, so init_device_mesh creates the
-    # group first, with that timeout, and the Trainer's accelerate state adopts it.
-    launched = int(os.environ.get("WORLD_SIZE", "1"))
-    cp_size = resolve_cp_size(args.cp_size, launched)
-    mesh = bd.init_device_mesh(cp_size, config=config) if launched > 1 else None
-    # use_cpu: on a machine without GPU, `accelerate launch` (torchrun path) + use_cpu=True gives a
-    # MULTI_CPU gloo run.
-    targs = TrainingArguments(
-        output_dir=output_dir, use_cpu=not torch.cuda.is_available(), max_steps=args.steps,
-        per_device_train_batch_size=1, gradient_accumulation_steps=args.grad_accum, learning_rate=args.lr,
-        lr_scheduler_type="constant", warmup_steps=0, max_grad_norm=args.max_grad_norm, logging_steps=1,
-        save_strategy="no", report_to=[], seed=args.seed, disable_tqdm=args.no_progress,
-        dataloader_num_workers=args.num_workers, activation_checkpointing=args.grad_checkpointing,
-        ddp_find_unused_parameters=False, ddp_timeout=int(config.process_group_timeout.total_seconds()),
-        bf16=args.mixed_precision == "bf16", fp16=args.mixed_precision == "fp16")
-    device, world = targs.device, targs.world_size
-    main_process = targs.process_index == 0
-    logging.basicConfig(level=logging.INFO if main_process else logging.WARNING,
-                        format="%(asctime)s %(name)s: %(message)s")
-    if world > 1 and not dist.is_initialized():
-        raise SystemExit("accelerate did not initialise torch.distributed: launch with accelerate launch or torchrun")
-    coords = bd.cp_coordinates(mesh)
+    quiet_other_ranks()
+    with one_line_errors():  # set-up mistakes: one line on the main process
+        refuse_accelerate_cp()  # before TrainingArguments starts accelerate
+        output_dir = args.output_dir or tempfile.mkdtemp(prefix="trainer_packed_cp_")
+        config = bd.BlockDiagCPConfig(backend=args.backend, kv_exchange=args.kv_exchange)
+        mesh = launch_mesh(args, config)
+        targs = TrainingArguments(**trainer_arguments(args, config, output_dir),
+                                  dataloader_num_workers=args.num_workers)
+        device, world = targs.device, targs.world_size
+        main_process = targs.process_index == 0
+        logging.basicConfig(level=logging.INFO if main_process else logging.WARNING,
+                            format="%(asctime)s %(name)s: %(message)s")
+        if world > 1 and not dist.is_initialized():
+            raise SystemExit("accelerate did not initialise torch.distributed: launch with accelerate launch or "
+                             "torchrun")
+        coords = bd.cp_coordinates(mesh)
 
-    model, tokenizer = load_model_and_tokenizer(args.model, getattr(torch, args.dtype))
-    model = apply_lora(model, args)
-    docs = load_documents(args, tokenizer)
-    dataset = bd.PackedDataset(docs, args.seq_len, seed=args.seed)
-    collator = bd.PackingCollator(args.seq_len, group=mesh["cp"] if mesh is not None else None,
-                                  pad_token_id=tokenizer.pad_token_id, config=config)
-    logger.info("%d documents (%d tokens), seq_len %d, world %d = dp %d x cp %d, backend %s, kv_exchange %s",
-                len(docs), sum(len(d["input_ids"]) for d in docs), args.seq_len, world, coords.dp_size,
-                coords.cp_size, args.backend, args.kv_exchange)
+        model, tokenizer = load_model_and_tokenizer(args.model, getattr(torch, args.dtype))
+        model = apply_lora(model, args)
+        docs = load_documents(args, tokenizer)
+        dataset = bd.PackedDataset(docs, args.seq_len, seed=args.seed)
+        collator = bd.PackingCollator(args.seq_len, group=mesh["cp"] if mesh is not None else None,
+                                      pad_token_id=tokenizer.pad_token_id, config=config)
+        logger.info("%d documents (%d tokens), seq_len %d, world %d = dp %d x cp %d, backend %s, kv_exchange %s",
+                    len(docs), sum(len(d["input_ids"]) for d in docs), args.seq_len, world, coords.dp_size,
+                    coords.cp_size, args.backend, args.kv_exchange)
 
-    # The no-CP reference runs no collective after training: only the main process needs the model copy.
-    ref_model = copy.deepcopy(model) if args.check_parity and main_process else None
-    probe = StepProbe(keep_grads=args.check_parity)
-    trainer = MeasuredCPTrainer(model=model, args=targs, train_dataset=dataset, data_collator=collator,
-                                callbacks=[probe], mesh=mesh, keep_first_step=args.check_parity)
+        # The no-CP reference runs no collective after training: only the main process needs the model copy.
+        ref_model = copy.deepcopy(model) if args.check_parity and main_process else None
+        probe = StepProbe(keep_grads=args.check_parity)
+        trainer = MeasuredCPTrainer(model=model, args=targs, train_dataset=dataset, data_collator=collator,
+                                    callbacks=[probe], mesh=mesh, keep_first_step=args.check_parity)
     trainer.train()
 
     losses, tokens_per_s, peaks, kvs, shards = measure_run(trainer, probe, world, coords, args.check_parity)

@@ -8,6 +8,7 @@ permuting tokens never changes what a token predicts.
 
 from __future__ import annotations
 
+import sys
 import warnings
 from collections.abc import Sequence
 from typing import Any
@@ -20,7 +21,11 @@ from ..config import BlockDiagCPConfig
 from ..context import BlockDiagCPContext
 from .rows import FullRows
 
-__all__ = ["rank_batch", "resolve_cp", "row_multiple"]
+__all__ = ["check_not_dispatched", "rank_batch", "resolve_cp", "row_multiple"]
+
+#: What to do when accelerate dispatches batches (see :func:`check_not_dispatched`).
+DISPATCH_FIX = ("pass TrainingArguments(accelerator_config={'dispatch_batches': False}) so that every process "
+                "collates its own rows, or use hf_blockdiag_cp.CPTrainer (it does so itself)")
 
 
 def resolve_cp(group: Any, cp_rank: int | None, cp_size: int | None) -> tuple[int, int, Any]:
@@ -62,6 +67,27 @@ def row_multiple(cp_size: int, pad_to_multiple_of: int | None) -> int:
     return cp_size * (pad_to_multiple_of or 1)
 
 
+def check_not_dispatched() -> None:
+    """Raise ``ValueError`` when called while accelerate's ``DataLoaderDispatcher`` iterates for several processes.
+
+    That loader (accelerate's default for an ``IterableDataset`` such as :class:`PackedDataset` under the stock
+    ``Trainer`` on several processes) collates every process's batch on process 0 and concatenates them, which a
+    batch with a ``cp_context`` and an int ``num_items_in_batch`` cannot survive (accelerate's own error is
+    ``TypeError: Can only concatenate tensors but got <class 'int'>``). Reads only what is already imported:
+    without accelerate loaded there is no dispatcher.
+    """
+    state, loaders = sys.modules.get("accelerate.state"), sys.modules.get("accelerate.data_loader")
+    # Only an Accelerator prepares a dispatcher, and it initialises the state: nothing is created here.
+    if state is None or loaders is None or not state.is_initialized():
+        return
+    active = state.GradientState().active_dataloader
+    if isinstance(active, loaders.DataLoaderDispatcher) and active.state.num_processes > 1:
+        raise ValueError(
+            f"accelerate's DataLoaderDispatcher (its default for an iterable dataset such as PackedDataset on "
+            f"{active.state.num_processes} processes) concatenates every process's batch on process 0, which "
+            f"cannot carry this batch's cp_context: {DISPATCH_FIX}")
+
+
 def rank_batch(full: FullRows, *, cp_rank: int, cp_size: int, group: Any = None,
                config: BlockDiagCPConfig | None = None, num_items: int | None = None, placement: str | None = None,
                sliding_windows: Sequence[int | None] = ()) -> dict[str, Any]:
@@ -72,6 +98,7 @@ def rank_batch(full: FullRows, *, cp_rank: int, cp_size: int, group: Any = None,
         ``num_items_in_batch``: int, ``num_items`` or the targets of the full rows (the same on every
         rank); ``cp_context``: the rank's :class:`BlockDiagCPContext`; ``use_cache``: ``False``.
     """
+    check_not_dispatched()
     batch, full_len = full.input_ids.shape
     if cp_size > 1 and batch != 1:
         raise ValueError(f"under context parallelism a micro-batch is one packed row, got {batch} rows")
@@ -91,8 +118,9 @@ def rank_batch(full: FullRows, *, cp_rank: int, cp_size: int, group: Any = None,
         "position_ids": full.position_ids[:, local],
         "labels": full.labels[:, local],
         "shift_labels": full.shift_labels[:, local],
-        # A Python int, not a 0-dim tensor: accelerate's batch dispatcher (used by the Trainer for
-        # iterable datasets) concatenates and slices every tensor along dim 0, which 0-dim tensors fail.
+        # A Python int, not a 0-dim tensor: accelerate's batch dispatcher (the Trainer's loader for iterable
+        # datasets; on one process, see check_not_dispatched) concatenates every tensor along dim 0, which
+        # 0-dim tensors fail.
         "num_items_in_batch": num_items,
         "cp_context": context,
         # A packed training forward must not build a KV cache (config.use_cache defaults to True

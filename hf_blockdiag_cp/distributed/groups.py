@@ -11,6 +11,7 @@ included); torch 2.13 exposes it only through private names, read and written in
 from __future__ import annotations
 
 import datetime
+import weakref
 from dataclasses import dataclass
 from typing import Any
 
@@ -60,3 +61,23 @@ def group_options(backend: str, timeout: datetime.timedelta) -> Any:
     """Options for a new ``backend`` group (``"gloo"``/``"nccl"``) whose collectives time out after
     ``timeout``; ``None`` for other backends (their groups get torch's default timeout)."""
     return backend_options(backend, timeout)
+
+
+#: The largest ``cp_size`` of the meshes built on this process, per default process group. Its one writer is
+#: :func:`record_cp_mesh` (called by :func:`~hf_blockdiag_cp.init_device_mesh`), its one reader
+#: :func:`created_cp_size`; an entry goes with its process group.
+_CP_SIZE_BY_WORLD: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def record_cp_mesh(cp_size: int) -> None:
+    """Remember that a mesh with ``cp_size`` CP ranks was built on this process's default group."""
+    world_group = dist.group.WORLD
+    _CP_SIZE_BY_WORLD[world_group] = max(cp_size, _CP_SIZE_BY_WORLD.get(world_group, 1))
+
+
+def created_cp_size() -> int:
+    """The largest ``cp_size`` of a mesh built on this process's current default process group (1 when none,
+    or when torch.distributed is not initialised)."""
+    if not dist.is_initialized():
+        return 1
+    return _CP_SIZE_BY_WORLD.get(dist.group.WORLD, 1)

@@ -5,7 +5,7 @@
 arguments; :mod:`.transformers_patches` holds every patch of transformers the package makes.
 """
 
-from .batch import check_batch, context_position_ids
+from .batch import check_batch, check_cp_batch, context_position_ids
 from .detect import UnsupportedModel, packing_refusal, refuse_bypassing_model, require_blockdiag_cp, uses_blockdiag_cp
 from .prepare import ForwardProbe, mark_attention_call, package_hooks, prepare_model, unprepare_model
 from .transformers_patches import patch_transformers
@@ -14,6 +14,7 @@ __all__ = [
     "ForwardProbe",
     "UnsupportedModel",
     "check_batch",
+    "check_cp_batch",
     "context_position_ids",
     "mark_attention_call",
     "package_hooks",

@@ -7,21 +7,25 @@ Host-side only: names, shapes and the context's CPU fields; tensor values are re
 from __future__ import annotations
 
 import inspect
+import warnings
 from typing import Any
 
 import torch
 
 from ..context import BlockDiagCPContext
+from ..distributed.groups import created_cp_size
 from ..planning.documents import run_boundaries
 from .detect import require_blockdiag_cp
 
-__all__ = ["arguments", "check_batch", "context_position_ids", "fill_position_ids", "packing", "positional_index"]
+__all__ = ["arguments", "check_batch", "check_cp_batch", "context_position_ids", "fill_position_ids", "packing", "positional_index"]
 
 
 def check_batch(model: torch.nn.Module, kwargs: dict[str, Any]) -> None:
-    """Raise ``ValueError`` if a batch with a ``cp_context`` would be silently mis-computed by ``model``."""
+    """Raise ``ValueError`` if a batch with a ``cp_context`` would be silently mis-computed by ``model`` (warn, via
+    :func:`check_cp_batch`, when a process with a CP mesh runs a batch without one)."""
     ctx = kwargs.get("cp_context")
     if ctx is None:
+        check_cp_batch(kwargs)
         return
     require_blockdiag_cp(model, "the batch carries a cp_context, which its attention would ignore (attending within "
                                 "each shard only, or across documents)", allow_unknown=True)
@@ -30,6 +34,27 @@ def check_batch(model: torch.nn.Module, kwargs: dict[str, Any]) -> None:
             "a context-parallel batch carries labels but no shift_labels: the model would shift the labels of "
             "each shard locally, which is wrong at every rank boundary; build batches with "
             "hf_blockdiag_cp.PackingCollator (it adds shift_labels computed on the full row)")
+
+
+def check_cp_batch(kwargs: dict[str, Any]) -> None:
+    """Warn (once per process: Python's default warning filter) when a forward without a ``cp_context`` runs on a
+    process for which :func:`~hf_blockdiag_cp.init_device_mesh` built a mesh with ``cp_size > 1``.
+
+    Such a batch (e.g. from ``DataCollatorForLanguageModeling`` in a manual loop) is not sharded: every CP rank runs
+    all of it, the CP group does the work of one rank ``cp_size`` times over, and nothing fails. ``CPTrainer``
+    refuses such a collator; a model guarded by :func:`~hf_blockdiag_cp.guard_model` says so here. Forwards that are
+    meant to run without CP on such a process (``generate()``, a per-rank evaluation) can ignore the warning.
+    """
+    if kwargs.get("cp_context") is not None:
+        return
+    cp_size = created_cp_size()
+    if cp_size > 1:
+        warnings.warn(
+            f"this forward has no cp_context, but hf_blockdiag_cp.init_device_mesh built a mesh with cp_size={cp_size} "
+            "on this process: the batch is not sharded, so every CP rank runs all of it. Build training batches with "
+            "hf_blockdiag_cp.PackingCollator(seq_len, group=mesh['cp'], ...) (or from_flattened(..., "
+            "group=mesh['cp'])); forwards meant to run without CP (generate(), a per-rank evaluation) may ignore this",
+            UserWarning, stacklevel=3)
 
 
 def context_position_ids(ctx: Any, given: Any, like: torch.Tensor | None) -> torch.Tensor | None:

@@ -19,7 +19,7 @@ from torch.distributed.device_mesh import init_device_mesh as torch_init_device_
 
 from .._validate import check_int
 from ..config import ENV_VARS, BlockDiagCPConfig
-from ..distributed.groups import group_options, group_timeout
+from ..distributed.groups import group_options, group_timeout, record_cp_mesh
 
 __all__ = ["CPCoordinates", "check_group_timeouts", "cp_coordinates", "init_device_mesh"]
 
@@ -61,6 +61,7 @@ def init_device_mesh(cp_size: int, *, device_type: str | None = None,
     mesh = torch_init_device_mesh(device_type, (world // cp_size, cp_size), mesh_dim_names=("dp", "cp"),
                                   backend_override=override)
     check_group_timeouts(mesh, config)
+    record_cp_mesh(cp_size)
     return mesh
 
 

@@ -92,7 +92,8 @@ class CPTrainer(Trainer):
     """``transformers.Trainer`` for block-diagonal context parallelism on a (dp, cp) mesh.
 
     Takes every ``Trainer`` argument plus ``mesh``: the :func:`~hf_blockdiag_cp.init_device_mesh` mesh, or
-    ``None`` (no CP: the stock Trainer data path, with the set-up checks below). Use it with a
+    ``None`` (no CP: the stock Trainer data path, with the set-up checks below; on several processes every process
+    collates its own batches, since accelerate cannot dispatch a ``cp_context``). Use it with a
     :class:`~hf_blockdiag_cp.PackingCollator` built with ``group=mesh["cp"]`` and a model loaded with
     ``attn_implementation="blockdiag_cp"``; feed :class:`~hf_blockdiag_cp.PackedDataset` rows with
     ``per_device_train_batch_size=1``. Launch one process per device (``accelerate launch``/``torchrun``).
@@ -134,7 +135,21 @@ class CPTrainer(Trainer):
                              "mesh (batches are sampled per data-parallel group): use 'random' or 'sequential'")
         if coords.cp_size > 1:
             self._check_cp_arguments()
+        if mesh is None and self.args.world_size > 1:
+            self._collate_on_every_process()
         guard_model(self.model)
+
+    def _collate_on_every_process(self) -> None:
+        """Without a mesh the stock loaders run; keep accelerate from dispatching batches (its default for iterable
+        datasets such as PackedDataset): it concatenates every process's batch on process 0, which a batch carrying a
+        ``cp_context`` cannot survive. Each process then collates its own rows (accelerate's IterableDatasetShard)."""
+        loader_config = self.accelerator.dataloader_config
+        if loader_config.dispatch_batches:
+            raise ValueError(f"accelerator_config.dispatch_batches=True on {self.args.world_size} processes: "
+                             "accelerate would concatenate every process's batch on process 0, which cannot carry the "
+                             "collator's cp_context; leave dispatch_batches unset (CPTrainer then collates on every "
+                             "process)")
+        loader_config.dispatch_batches = False
 
     def _check_cp_arguments(self) -> None:
         """Settings under which the Trainer's loss or the attention would be silently wrong under CP."""

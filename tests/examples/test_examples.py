@@ -83,7 +83,74 @@ def test_example_with_fsdp2_and_activation_checkpointing_keeps_parity(tmp_path):
 @pytest.mark.distributed
 @pytest.mark.slow  # a full launch: the launcher and two ranks import everything (~28 CPU-s) before the refusal
 def test_example_rejects_a_cp_size_that_does_not_divide_the_world(tmp_path):
+    """One line with the fix, printed once (by rank 0), no traceback of the example's ranks, a failing exit status
+    (what follows it is the launcher's own report of the failed run)."""
     proc = launch_example("train_packed_cp.py", "--cp-size", "3", "--steps", "1", "--max-docs", "4", "--no-progress",
                           timeout=180)
     assert proc.returncode != 0
-    assert "world size 2 is not divisible by cp_size=3" in proc.output
+    errors = [line for line in proc.output.splitlines() if "--cp-size 3" in line]
+    assert errors == ["error: --cp-size 3 does not divide the 2 launched processes: use a --cp-size that does "
+                      "(1, 2), or launch a multiple of 3 processes"], proc.output
+    assert not re.search(r"^\[rank\d\]:", proc.output, re.M), proc.output  # no per-rank traceback
+
+
+#: Run in a fresh interpreter, as a newcomer's script: it loads a model with attn_implementation="blockdiag_cp"
+#: before importing hf_blockdiag_cp; with the argument "all" it then checks what the other ranks print.
+_NEWCOMER_SCRIPT = """
+import json, sys, warnings
+sys.path.insert(0, "examples")
+import transformers
+from common import example_parser, one_line_errors, quiet_other_ranks, trainer_arguments
+
+config = transformers.LlamaConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+                                  num_key_value_heads=1, vocab_size=64)
+try:
+    with one_line_errors():
+        transformers.AutoModelForCausalLM.from_config(config, attn_implementation="blockdiag_cp")
+except SystemExit as exit:
+    status = exit.code
+if sys.argv[1:] == ["all"]:
+    quiet_other_ranks()
+    import datasets
+    from trl import SFTConfig
+    from hf_blockdiag_cp import BlockDiagCPConfig
+
+    args = example_parser("x", trainer=True).parse_args(["--grad-checkpointing", "--steps", "3"])
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        sft = SFTConfig(**trainer_arguments(args, BlockDiagCPConfig(), "out"), max_length=64)
+    print(json.dumps({"progress_bars": datasets.is_progress_bar_enabled(),
+                      "transformers_verbosity": transformers.utils.logging.get_verbosity(),
+                      "checkpointing": sft.activation_checkpointing,
+                      "deprecations": [str(w.message) for w in caught if "checkpointing" in str(w.message)]}))
+sys.exit(status)
+"""
+
+
+def _newcomer(rank: int, *args: str):
+    import os
+    import subprocess
+    import sys
+
+    return subprocess.run([sys.executable, "-c", _NEWCOMER_SCRIPT, *args], cwd=ROOT, capture_output=True, text=True,
+                          timeout=240, env={**os.environ, "RANK": str(rank), "TRANSFORMERS_VERBOSITY": "info"})
+
+
+def test_forgotten_import_gives_a_one_line_hint():
+    proc = _newcomer(0)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-4000:]
+    assert [line for line in proc.stderr.splitlines() if line.startswith("error:")] == [
+        'error: ValueError: attn_implementation="blockdiag_cp" is not registered with transformers: '
+        "`import hf_blockdiag_cp` before loading the model (the import registers it)"], proc.stderr
+
+
+def test_other_ranks_stay_quiet_and_trl_arguments_use_current_names():
+    """A process other than the main one prints no set-up error line, no dataset-preparation progress bar and no
+    library INFO/WARNING logs; the TRL example's arguments use ``activation_checkpointing`` (not the deprecated
+    ``gradient_checkpointing``)."""
+    pytest.importorskip("trl")
+    proc = _newcomer(1, "all")
+    assert proc.returncode == 2 and "error:" not in proc.stderr, proc.stderr[-4000:]
+    report = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert report["progress_bars"] is False and report["transformers_verbosity"] == 40, report  # logging.ERROR
+    assert report["checkpointing"] is True and report["deprecations"] == [], report

@@ -1,0 +1,66 @@
+"""The benchmarks and examples as a newcomer meets them: every command-line option has ``--help`` text, the docs
+name the ``[bench]`` extra and the plots the scripts write, and the balance plot's colours mean what its legend
+says (one colour per placement)."""
+
+from __future__ import annotations
+
+import ast
+import importlib.util
+import re
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+SCRIPTS = sorted([*ROOT.glob("benchmarks/*.py"), *ROOT.glob("examples/*.py")])
+
+
+@pytest.mark.parametrize("path", SCRIPTS, ids=[f"{p.parent.name}/{p.name}" for p in SCRIPTS])
+def test_every_option_has_help_text(path):
+    missing = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Call) and getattr(node.func, "attr", None) == "add_argument":
+            if not any(k.arg == "help" for k in node.keywords):
+                missing.append(ast.unparse(node.args[0]) if node.args else ast.unparse(node))
+    assert not missing, f"{path.name}: options without help=: {missing}"
+
+
+def test_benchmarks_doc_names_the_extra_every_script_and_the_plots():
+    doc = (ROOT / "docs" / "benchmarks.md").read_text()
+    assert 'pip install -e ".[bench]"' in doc
+    for script in ROOT.glob("benchmarks/*.py"):
+        assert f"benchmarks/{script.name}" in doc, script.name
+    # The plot files the doc names are the scripts' defaults.
+    for script, png in (("bench_kernels.py", "bench_kernels.png"), ("bench_balance.py", "bench_balance.png")):
+        assert f"`{png}`" in doc
+        assert re.search(rf'"--out", default="{png}"', (ROOT / "benchmarks" / script).read_text()), script
+    assert "bench_cpu.png" not in doc
+
+
+def test_balance_plot_colours_follow_the_placement():
+    pytest.importorskip("matplotlib")
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from matplotlib.colors import to_rgba
+
+    spec = importlib.util.spec_from_file_location("bench_balance", ROOT / "benchmarks" / "bench_balance.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    results = {(kind, p, scheme): {"remote_mean": 0.1 * p, "imbalance_mean": 1.0 + 0.01 * i}
+               for kind in bench.ROWS for p in (2, 4, 8) for i, scheme in enumerate(bench.SCHEMES)}
+    fig = bench.balance_figure(results)
+    for ax, kind in zip(fig.axes, bench.ROWS):
+        keys = sorted(k for k in results if k[0] == kind)
+        assert len(ax.collections) == len(keys)
+        markers = {}
+        for points, (_, p, scheme) in zip(ax.collections, keys):
+            assert tuple(points.get_facecolor()[0][:3]) == to_rgba(bench.COLORS[scheme])[:3], (kind, p, scheme)
+            markers.setdefault(p, set()).add(points.get_paths()[0].vertices.tobytes())
+        assert all(len(shapes) == 1 for shapes in markers.values())  # one marker per P ...
+        assert len({next(iter(s)) for s in markers.values()}) == 3  # ... and a different one for each P
+    legend = {text.get_text(): handle for text, handle in zip(fig.legends[0].get_texts(),
+                                                              fig.legends[0].legend_handles)}
+    for scheme in bench.SCHEMES:
+        assert to_rgba(legend[scheme].get_color()) == to_rgba(bench.COLORS[scheme])
+    assert {"P = 2", "P = 4", "P = 8"} <= set(legend)
