@@ -24,7 +24,9 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+import transformers
 from torch.utils.checkpoint import checkpoint
+from transformers.loss.loss_utils import ForCausalLMLoss
 
 __all__ = ["DEFAULT_CHUNK_SIZE", "HEADS", "check_chunked_loss", "chunked_causal_lm_loss"]
 
@@ -73,15 +75,11 @@ def _accepted_linear(head: Any) -> bool:
 
 def _logit_transform(base: torch.nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
     """What ``base``'s forward does to ``lm_head``'s output, or ``NotImplementedError`` naming the cause."""
-    import transformers
-
     name = type(base).__name__
     kind = HEADS.get(name)
     if kind is None or type(base) is not getattr(transformers, name, None):  # a subclass may change the head
         raise NotImplementedError(f"chunked_causal_lm_loss does not know the head of {name}: it is exact only for "
                                   f"{', '.join(sorted(HEADS))}; use the model's own loss")
-    from transformers.loss.loss_utils import ForCausalLMLoss
-
     if base.loss_function is not ForCausalLMLoss:
         raise NotImplementedError(f"{name}.loss_function is {getattr(base.loss_function, '__name__', '?')}, not "
                                   "transformers' ForCausalLMLoss: the chunked loss would differ; use the model's own")
