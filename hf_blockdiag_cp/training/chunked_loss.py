@@ -25,6 +25,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 import transformers
+from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
 from torch.utils.checkpoint import checkpoint
 from transformers.loss.loss_utils import ForCausalLMLoss
 
@@ -116,7 +117,13 @@ def _divide(logits: torch.Tensor, divisor: float) -> torch.Tensor:
 
 def check_chunked_loss(model: torch.nn.Module) -> None:
     """Raise ``NotImplementedError`` (naming the model and the cause) unless the chunked loss is exact for it."""
-    _logit_transform(_unwrap(model))
+    base = _unwrap(model)
+    for module in (model, base):
+        # FSDP re-shards the parameters when the root forward returns: the head cannot run after it.
+        if isinstance(module, (FSDPModule, FullyShardedDataParallel)):
+            raise NotImplementedError(f"{type(base).__name__} is sharded with FSDP: its head's parameters are "
+                                      "released after the forward; use the model's own loss")
+    _logit_transform(base)
 
 
 def _chunk_loss(head: torch.nn.Module, transform: Callable[[torch.Tensor], torch.Tensor], hidden: torch.Tensor,
@@ -163,6 +170,7 @@ def chunked_causal_lm_loss(model: torch.nn.Module, batch: Mapping[str, Any], *,
         raise ValueError(f"chunk_size={chunk_size!r} must be an int >= 1")
     if "logits_to_keep" in batch:
         raise ValueError("the batch sets logits_to_keep: chunked_causal_lm_loss asks the model for no logits itself")
+    check_chunked_loss(model)
     base = _unwrap(model)
     transform = _logit_transform(base)
     if num_items_in_batch is None:

@@ -108,6 +108,9 @@ class CPTrainer(Trainer):
     (``NotImplementedError`` naming the cause otherwise); ``False``: the model's own loss.
     """
 
+    #: What ``chunked_loss=None`` means: on where exact (a subclass whose own loss already chunks sets ``False``).
+    _chunked_loss_by_default = True
+
     def __init__(self, *args: Any, mesh: DeviceMesh | None = None, chunked_loss: bool | None = None,
                  chunked_loss_chunk_size: int = DEFAULT_CHUNK_SIZE, **kwargs: Any) -> None:
         self.mesh = mesh
@@ -275,8 +278,8 @@ class CPTrainer(Trainer):
         a callable that returns ``{"loss": chunked loss}``. Calls that want the outputs (the logits, for
         ``prediction_step``) take the model's own path.
         """
-        if (return_outputs or self.chunked_loss is False
-                or self._chunked_loss_refusal(model, raise_=bool(self.chunked_loss)) is not None):
+        mode = self.chunked_loss if self.chunked_loss is not None or self._chunked_loss_by_default else False
+        if return_outputs or mode is False or self._chunked_loss_refusal(model, raise_=bool(mode)) is not None:
             return super().compute_loss(model, inputs, return_outputs=return_outputs,
                                         num_items_in_batch=num_items_in_batch)
         chunk_size = self.chunked_loss_chunk_size
