@@ -1,6 +1,6 @@
 """``bd.chunked_causal_lm_loss`` against the model's own loss (fp32: loss 1e-6 relative, every parameter's gradient
 1e-5 relative in norm), per accepted head; refusals; memory (no ``[L, V]`` tensor, measured op by op); and a CP = 2
-step on gloo against the documents run alone."""
+step on gloo (through DDP, loss normalised by ``normalize_num_items``) against the documents run alone."""
 
 from __future__ import annotations
 
@@ -174,8 +174,6 @@ def test_no_tensor_of_L_by_V_exists():
 
 
 def _cp_worker(rank: int, world: int, lengths: list[int]) -> float:
-    import torch.distributed as dist
-
     from tests.reference import tiny_model
 
     gen = torch.Generator().manual_seed(7)
@@ -187,15 +185,16 @@ def _cp_worker(rank: int, world: int, lengths: list[int]) -> float:
                                                      reduction="sum") for d in docs) / count
     ref_loss.backward()
     model = tiny_model("llama", attn_implementation="blockdiag_cp").train()
-    collator = bd.PackingCollator(96, group=dist.group.WORLD, pad_token_id=0, placement="balanced",
+    mesh = bd.init_device_mesh(cp_size=2)
+    collator = bd.PackingCollator(96, group=mesh["cp"], pad_token_id=0, placement="balanced",
                                   config=bd.BlockDiagCPConfig(collective_timeout_s=60))
-    batch = collator([{"input_ids": d.tolist()} for d in docs])
-    loss = bd.chunked_causal_lm_loss(model, batch, chunk_size=10)  # 48 local tokens: chunks cross documents
+    batch = bd.normalize_num_items(collator([{"input_ids": d.tolist()} for d in docs]), mesh)  # N / W
+    # Through DDP, as in training: its gradient average over the W ranks gives the global token mean.
+    ddp = torch.nn.parallel.DistributedDataParallel(model)
+    loss = bd.chunked_causal_lm_loss(ddp, batch, chunk_size=10)  # 48 local tokens: chunks cross documents
     loss.backward()
-    total = loss.detach().clone()
-    dist.all_reduce(total)
+    total = bd.reduce_loss_for_logging(loss, mesh)
     for name, p in model.named_parameters():
-        dist.all_reduce(p.grad)
         err = (p.grad - dict(ref.named_parameters())[name].grad).norm() / p.grad.norm()
         assert err <= 1e-5, f"rank {rank}: gradient of {name} off by {err:.2e} vs documents alone"
     assert abs(total.item() - ref_loss.item()) <= 1e-5 * ref_loss.item(), (total.item(), ref_loss.item())
