@@ -31,9 +31,9 @@ from transformers.loss.loss_utils import ForCausalLMLoss
 
 __all__ = ["DEFAULT_CHUNK_SIZE", "HEADS", "check_chunked_loss", "chunked_causal_lm_loss"]
 
-#: Tokens projected at once: ``chunk_size x V`` fp32 logits (512 MiB for V = 128,256) plus their softmax and
+#: Tokens projected at once: ``chunk_size x V`` fp32 logits (125 MiB for V = 128,256) plus their softmax and
 #: gradient live at a time, instead of ``L x V``.
-DEFAULT_CHUNK_SIZE = 1024
+DEFAULT_CHUNK_SIZE = 256
 IGNORE_INDEX = -100  # transformers' ForCausalLMLoss default; the package's collators pad labels with it
 
 #: ``*ForCausalLM`` class name -> what its forward applies to ``lm_head``'s output before the loss
