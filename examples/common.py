@@ -202,6 +202,8 @@ def add_common_args(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0, help="seed of the model, the adapters and the row order")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="parameter dtype")
     p.add_argument("--grad-checkpointing", action="store_true", help="activation checkpointing (recompute in backward)")
+    p.add_argument("--chunked-loss", default="auto", choices=["auto", "on", "off"],
+                   help="the loss through bd.chunked_causal_lm_loss (no [L, V] logits): 'auto' where it is exact")
     p.add_argument("--mixed-precision", default="no", choices=["no", "bf16", "fp16"],
                    help="run the forward under torch.autocast (parameters stay in --dtype); the parity check "
                         "compares with a float32 run, so expect differences of the autocast dtype's rounding")
@@ -218,6 +220,11 @@ def add_common_args(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--lora-init", default="default", choices=["default", "random"],
                    help="'default': PEFT's (B = 0, the adapter starts as the identity); 'random': B random too, so "
                         "that every adapter matrix has a gradient in step 1 (what --check-parity then compares)")
+
+
+def chunked_loss_setting(args) -> bool | None:
+    """``--chunked-loss`` as CPTrainer's ``chunked_loss``: None (on where exact), True or False."""
+    return {"auto": None, "on": True, "off": False}[args.chunked_loss]
 
 
 def resolve_cp_size(requested: int | None, world: int) -> int:

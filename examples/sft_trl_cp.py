@@ -28,6 +28,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import hf_blockdiag_cp as bd  # noqa: E402  (registers attn_implementation="blockdiag_cp")
 from common import (  # noqa: E402
+    chunked_loss_setting,
     apply_lora,
     byte_chat_tokenizer,
     example_parser,
@@ -192,7 +193,8 @@ def main(argv: list[str] | None = None) -> dict:
         reference = copy.deepcopy(model) if args.check_parity and main_process else None
         probe = StepProbe(keep_grads=args.check_parity)
         trainer = make_trainer_class()(model=model, args=sft_args, train_dataset=train, eval_dataset=evaluation,
-                                       processing_class=tokenizer, callbacks=[probe], mesh=mesh, cp_config=config)
+                                       processing_class=tokenizer, callbacks=[probe], mesh=mesh, cp_config=config,
+                                       chunked_loss=chunked_loss_setting(args))
     eval_loss = trainer.evaluate()["eval_loss"] if evaluation is not None else None  # before any update
     trainer.train()
 

@@ -25,6 +25,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import hf_blockdiag_cp as bd  # noqa: E402  (registers attn_implementation="blockdiag_cp")
 from common import (  # noqa: E402
     apply_lora,
+    chunked_loss_setting,
     example_parser,
     gather_floats,
     load_documents,
@@ -160,6 +161,16 @@ def main(argv: list[str] | None = None) -> dict:
         wrapper = type(model).__name__
         sharded = any(hasattr(p, "full_tensor") for p in model.parameters())
         logger.info("model wrapped as %s%s", wrapper, " (FSDP2: DTensor parameters)" if sharded else "")
+        chunked = chunked_loss_setting(args)
+        if chunked is not False:  # 'on' raises where the chunked loss is not exact, 'auto' falls back to the model's
+            try:
+                bd.check_chunked_loss(model)
+                chunked = True
+            except NotImplementedError:
+                if chunked:
+                    raise
+                chunked = False
+        logger.info("loss: %s", "chunked (bd.chunked_causal_lm_loss)" if chunked else "the model's own")
 
     progress = None
     if accelerator.is_main_process and not args.no_progress:
@@ -177,9 +188,9 @@ def main(argv: list[str] | None = None) -> dict:
         batch = bd.normalize_num_items(_to_device(batch, accelerator.device), mesh, device=accelerator.device)
         start = time.perf_counter()
         with accelerator.autocast():  # a no-op unless --mixed-precision
-            out = model(**batch)
-        accelerator.backward(out.loss)
-        loss = bd.reduce_loss_for_logging(out.loss, mesh).item()
+            step_loss = bd.chunked_causal_lm_loss(model, batch) if chunked else model(**batch).loss
+        accelerator.backward(step_loss)
+        loss = bd.reduce_loss_for_logging(step_loss, mesh).item()
         if step == 0 and ref_model is not None:
             parity = _parity(ref_model, dataset, args, tokenizer, config, coords.dp_size, loss, _grads(model),
                              accelerator.device)
@@ -204,7 +215,8 @@ def main(argv: list[str] | None = None) -> dict:
     summary = {
         "world": world, "wrapper": wrapper, "lora": args.lora, "fsdp2": sharded, "dp_size": coords.dp_size,
         "cp_size": coords.cp_size, "seq_len": args.seq_len, "mixed_precision": args.mixed_precision,
-        "steps": args.steps, "first_loss": losses[0], "last_loss": losses[-1], "losses": losses,
+        "steps": args.steps, "chunked_loss": chunked,
+        "first_loss": losses[0], "last_loss": losses[-1], "losses": losses,
         "tokens_per_s": tokens_per_s,
         "peak_memory_gib_per_rank": [p / 2**30 for p in peaks],
         "peak_memory_kind": "cuda max_memory_allocated" if torch.cuda.is_available() else "process max RSS",

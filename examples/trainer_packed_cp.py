@@ -27,6 +27,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import hf_blockdiag_cp as bd  # noqa: E402  (registers attn_implementation="blockdiag_cp")
 from common import (  # noqa: E402
+    chunked_loss_setting,
     apply_lora,
     example_parser,
     full_row,
@@ -176,7 +177,8 @@ def main(argv: list[str] | None = None) -> dict:
         ref_model = copy.deepcopy(model) if args.check_parity and main_process else None
         probe = StepProbe(keep_grads=args.check_parity)
         trainer = MeasuredCPTrainer(model=model, args=targs, train_dataset=dataset, data_collator=collator,
-                                    callbacks=[probe], mesh=mesh, keep_first_step=args.check_parity)
+                                    callbacks=[probe], mesh=mesh, keep_first_step=args.check_parity,
+                                    chunked_loss=chunked_loss_setting(args))
     trainer.train()
 
     losses, tokens_per_s, peaks, kvs, shards = measure_run(trainer, probe, world, coords, args.check_parity)

@@ -21,7 +21,9 @@ from .kernels import BackendUnavailable
 from .data import PackedDataset, PackedRow, PackingCollator, from_flattened, sliding_windows
 from .planning import PlanError, VarlenPlan, build_varlen_plan
 from .training import (
+    check_chunked_loss,
     check_collator,
+    chunked_causal_lm_loss,
     cp_coordinates,
     dp_dataloader,
     guard_model,
@@ -58,7 +60,9 @@ __all__ = [
     "blockdiag_attention",
     "blockdiag_cp_attention",
     "build_varlen_plan",
+    "check_chunked_loss",
     "check_collator",
+    "chunked_causal_lm_loss",
     "cp_coordinates",
     "dp_dataloader",
     "guard_model",

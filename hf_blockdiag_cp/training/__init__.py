@@ -9,6 +9,7 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
+from .chunked_loss import check_chunked_loss, chunked_causal_lm_loss
 from .checks import check_batch, check_collator, guard_model
 from .data import DataParallelShard, dp_dataloader
 from .loss import global_num_items, normalize_num_items, reduce_loss_for_logging
@@ -27,7 +28,9 @@ __all__ = [
     "CPTrainer",
     "DataParallelShard",
     "check_batch",
+    "check_chunked_loss",
     "check_collator",
+    "chunked_causal_lm_loss",
     "check_group_timeouts",
     "cp_coordinates",
     "dp_dataloader",

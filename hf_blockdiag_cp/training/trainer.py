@@ -32,6 +32,7 @@ from ..context import BlockDiagCPContext
 from ..data import PackedDataset, PackingCollator
 from ..model import require_blockdiag_cp
 from .checks import check_collator, check_no_accelerate_cp, guard_model
+from .chunked_loss import DEFAULT_CHUNK_SIZE, check_chunked_loss, chunked_causal_lm_loss
 from .data import dp_dataloader
 from .mesh import check_group_timeouts, cp_coordinates
 
@@ -104,10 +105,20 @@ class CPTrainer(Trainer):
     ``TrainingArguments(ddp_timeout=...)``); see docs/trainer.md and docs/errors.md. A
     :class:`~hf_blockdiag_cp.PackingCollator` without ``vocab_size`` gets the model's, so out-of-vocabulary
     ids raise in the collator, naming the example.
+
+    ``chunked_loss``: the training loss through :func:`~hf_blockdiag_cp.chunked_causal_lm_loss` (no ``[L, V]``
+    logits; ``chunked_loss_chunk_size`` tokens at a time). ``None`` (default): on where it is exact (the model's
+    head is accepted, no ``compute_loss_func`` / label smoothing), else the model's own loss; ``True``: required
+    (``NotImplementedError`` naming the cause otherwise); ``False``: the model's own loss.
     """
 
-    def __init__(self, *args: Any, mesh: DeviceMesh | None = None, **kwargs: Any) -> None:
+    #: What ``chunked_loss=None`` means: on where exact (a subclass whose own loss already chunks sets ``False``).
+    _chunked_loss_by_default = True
+
+    def __init__(self, *args: Any, mesh: DeviceMesh | None = None, chunked_loss: bool | None = None,
+                 chunked_loss_chunk_size: int = DEFAULT_CHUNK_SIZE, **kwargs: Any) -> None:
         self.mesh = mesh
+        self.chunked_loss, self.chunked_loss_chunk_size = chunked_loss, chunked_loss_chunk_size
         # Before the Trainer builds its Accelerator: on CPU accelerate refuses its own CP with a message that does
         # not point here, and a launcher flag it drops would otherwise go unnoticed.
         check_no_accelerate_cp(kwargs.get("args", args[1] if len(args) > 1 else None))
@@ -138,6 +149,8 @@ class CPTrainer(Trainer):
         if mesh is None and self.args.world_size > 1:
             self._collate_on_every_process()
         guard_model(self.model)
+        if self.chunked_loss and self.model is not None:
+            self._chunked_loss_refusal(self.model, raise_=True)
 
     def _collate_on_every_process(self) -> None:
         """Without a mesh the stock loaders run; keep accelerate from dispatching batches (its default for iterable
@@ -253,6 +266,41 @@ class CPTrainer(Trainer):
             if ctx.cp_size > 1 and ctx.group is None:
                 inputs = {**inputs, "cp_context": dataclasses.replace(ctx, group=self.mesh["cp"].get_group())}
         return super()._prepare_inputs(inputs)
+
+    def _chunked_loss_refusal(self, model: torch.nn.Module, raise_: bool = False) -> str | None:
+        """Why the chunked loss would not be exact for ``model`` under this Trainer's settings (``None``: it is)."""
+        reason = None
+        if self.compute_loss_func is not None or self.label_smoother is not None:
+            reason = "compute_loss_func / label_smoothing_factor replace the model's loss"
+        elif getattr(self, "aux_loss_enabled", False):  # TRL adds a MoE router loss to the model's own
+            reason = "the router auxiliary loss is enabled"
+        else:
+            try:
+                check_chunked_loss(model)
+            except NotImplementedError as err:
+                reason = str(err)
+        if reason is not None and raise_:
+            raise NotImplementedError(f"chunked_loss=True: {reason}; pass chunked_loss=None or False")
+        return reason
+
+    def compute_loss(self, model: torch.nn.Module, inputs: dict[str, Any], return_outputs: bool = False,
+                     num_items_in_batch: torch.Tensor | int | None = None) -> Any:
+        """The stock loss, with the model's forward replaced by :func:`chunked_causal_lm_loss` where it is on.
+
+        Runs ``Trainer.compute_loss`` itself (its ``num_items_in_batch`` and ``W`` scaling stay the stock ones) on
+        a callable that returns ``{"loss": chunked loss}``. Calls that want the outputs (the logits, for
+        ``prediction_step``) take the model's own path.
+        """
+        mode = self.chunked_loss if self.chunked_loss is not None or self._chunked_loss_by_default else False
+        if return_outputs or mode is False or self._chunked_loss_refusal(model, raise_=bool(mode)) is not None:
+            return super().compute_loss(model, inputs, return_outputs=return_outputs,
+                                        num_items_in_batch=num_items_in_batch)
+        chunk_size = self.chunked_loss_chunk_size
+
+        def loss_only(**batch: Any) -> dict[str, torch.Tensor]:
+            return {"loss": chunked_causal_lm_loss(model, batch, chunk_size=chunk_size)}
+
+        return Trainer.compute_loss(self, loss_only, inputs, num_items_in_batch=num_items_in_batch)
 
     def _get_num_items_in_batch(self, batch_samples: list, device: torch.device) -> torch.Tensor | int | None:
         """The stock global target count, at least 1: a step whose labels are all ignored gets loss 0 and zero

@@ -102,6 +102,10 @@ class CPSFTTrainer(CPTrainer, SFTTrainer):
     ``compute_loss_func`` and accelerate's own ``parallelism_config`` are refused under CP).
     """
 
+    #: TRL's own loss already projects in chunks (its fused LM head, which also feeds its entropy / accuracy
+    #: metrics): ``chunked_loss=None`` keeps it; ``chunked_loss=True`` uses :func:`~hf_blockdiag_cp.chunked_causal_lm_loss`.
+    _chunked_loss_by_default = False
+
     def __init__(self, model: Any, args: SFTConfig | None = None, data_collator: Any = None,
                  train_dataset: Any = None, eval_dataset: Any = None, processing_class: Any = None, *,
                  mesh: Any = None, cp_config: BlockDiagCPConfig | None = None, packing_buffer_size: int = 1000,
