@@ -140,7 +140,7 @@ def _collator_worker(rank: int, world: int, tmp: str) -> dict:
 
     import hf_blockdiag_cp as bd
     from tests.reference import tiny_model
-    from tests.test_trainer_cp import _documents, _reference_step, _training_args
+    from tests.training.test_trainer_cp import _documents, _reference_step, _training_args
 
     mesh = bd.init_device_mesh(world)
     examples = [{"input_ids": d.tolist()} for d in _documents()]
