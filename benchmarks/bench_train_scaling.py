@@ -224,9 +224,11 @@ def main() -> None:
     p.add_argument("--real-vocab", action="store_true",
                    help="CP = 1, Llama-3 vocabulary (128,256), hidden 512, 2 layers: the model's own loss at "
                         "--own-seq-lens vs the chunked loss at --seq-lens (with and without checkpointing)")
-    p.add_argument("--own-seq-lens", type=int, nargs="+", default=[1024, 2048])
-    p.add_argument("--chunk-size", type=int, default=256)
-    p.add_argument("--budget-gib", type=float, default=20.0)
+    p.add_argument("--own-seq-lens", type=int, nargs="+", default=[1024, 2048],
+                   help="--real-vocab: row lengths measured with the model's own loss (keep small: ~1.5 MiB per token)")
+    p.add_argument("--chunk-size", type=int, default=256, help="--real-vocab: tokens per chunk of the chunked loss")
+    p.add_argument("--budget-gib", type=float, default=20.0,
+                   help="--real-vocab: memory budget per rank for the extrapolated longest row")
     p.add_argument("--real-vocab-child", default=None, help=argparse.SUPPRESS)
     p.add_argument("extra", nargs="*", help="more options for the example (after --)")
     args = p.parse_args()
