@@ -91,10 +91,13 @@ def _write_docs(args: argparse.Namespace, results: list[CheckResult], cp2: list[
 
 
 def _sweep_command(args: argparse.Namespace) -> str:
-    parts = ["python -m hf_blockdiag_cp.check --all"]
-    if args.cp2_sample:
+    if args.from_jsonl:  # the docs rewritten from JSON lines: say so, not which sweep wrote them
+        parts = [f"python -m hf_blockdiag_cp.check --from-jsonl --jsonl {args.jsonl.name}"]
+    else:
+        parts = ["python -m hf_blockdiag_cp.check --all"]
+    if args.cp2_sample and not args.from_jsonl:
         parts.append(f"--cp2-sample {args.cp2_sample}")
-    if args.cp2_also:
+    if args.cp2_also and not args.from_jsonl:
         parts.append(f"--cp2-also {shlex.quote(args.cp2_also)}")
     parts += [f"--{name} {getattr(args, name)}" for name in ("markdown", "readme") if getattr(args, name)]
     return " ".join(parts)

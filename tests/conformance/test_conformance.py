@@ -104,7 +104,7 @@ def test_readme_summary_agrees_with_models_md():
     block = readme[readme.index(conformance.report.README_BEGIN):readme.index(conformance.report.README_END)]
     assert (f"of {len(rows)} causal LMs, **{counts[EXACT]} exact, {counts[REFUSED]} refused with the cause, "
             f"{counts[FAIL]} FAIL, {counts[conformance.NOT_APPLICABLE]} not applicable**") in block, block
-    version = DOCS.read_text().split("with transformers ", 1)[1].split(",", 1)[0]
+    version = DOCS.read_text().split("with transformers ", 1)[1].split()[0]
     assert f"For transformers {version} " in block, (version, block)
 
 
@@ -120,7 +120,8 @@ def test_readme_summary_block_is_replaced_between_its_markers():
     begin, end = conformance.report.README_BEGIN, conformance.report.README_END
     text = f"# x\n{begin}\nold\n{end}\ntail\n"
     results = [conformance.CheckResult("a", EXACT, transformers="9.9"),
-               conformance.CheckResult("b", REFUSED, reason="mamba ... carry state across the whole row")]
+               conformance.CheckResult("b", REFUSED, reason="mamba ... carry state across the whole row",
+                                       transformers="9.9")]
     new = conformance.replace_readme_summary(text, conformance.readme_summary(results))
     assert new.startswith(f"# x\n{begin}\nFor transformers 9.9 ") and new.endswith(f"{end}\ntail\n")
     assert "old" not in new and "other token mixers" in new and "(1)" in new
