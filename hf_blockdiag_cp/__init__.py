@@ -28,6 +28,7 @@ from .training import (
     init_device_mesh,
     normalize_num_items,
     reduce_loss_for_logging,
+    ulysses_groups,
 )
 
 if TYPE_CHECKING:
@@ -68,6 +69,7 @@ __all__ = [
     "from_flattened",
     "register",
     "sliding_windows",
+    "ulysses_groups",
 ]
 
 register()
