@@ -156,7 +156,8 @@ class BlockDiagCPContext:
         if config.ulysses_size != 1:
             layout = _plan_layout(ids, cp_size, config, placement, sliding_windows, heads)
             if layout.ulysses_size > 1:
-                return _layout_context(cls, layout, ids, cp_rank, ulysses_groups, windows, common)
+                return _layout_context(cls, layout, ids, cp_rank, ulysses_groups, windows, common,
+                                       placement or config.placement)
             placement = layout.placement  # auto chose u = 1: today's layout on the same placement
         if not isinstance(placement, Placement):
             placement = make_placement(ids[0], cp_size, placement or config.placement,
@@ -274,7 +275,8 @@ def _plan_layout(ids: torch.Tensor, cp_size: int, config: BlockDiagCPConfig, pla
 
 
 def _layout_context(cls: type[BlockDiagCPContext], layout: LayoutPlan, ids: torch.Tensor, cp_rank: int,
-                    ulysses_groups: Any, windows: list[int], common: dict[str, Any]) -> BlockDiagCPContext:
+                    ulysses_groups: Any, windows: list[int], common: dict[str, Any],
+                    placement_kind: str) -> BlockDiagCPContext:
     """Rank ``cp_rank``'s context under a ``u > 1`` layout: its sequence group's plans (``u * L`` query rows)."""
     u, c = layout.ulysses_size, layout.seq_groups
     if ulysses_groups is None:
@@ -299,7 +301,8 @@ def _layout_context(cls: type[BlockDiagCPContext], layout: LayoutPlan, ids: torc
     local_index = layout.placement.index[cp_rank]
     planned = [(None, exchange), *((w, ex) for w, (_, ex) in window_plans.items())]
     key = layout.key() + repr(layout.heads).encode()  # the head split too: the all-to-all's sizes follow it
-    plan_fp = plan_fingerprint(config, cp_size=common["cp_size"], placement_kind=layout.placement.kind,
+    # The requested kind (one group's placement is contiguous whatever was asked): ranks compare requests.
+    plan_fp = plan_fingerprint(config, cp_size=common["cp_size"], placement_kind=placement_kind,
                                placement_rows=layout.placement.index, windows=[w for w, _ in planned],
                                strategies=[str(ex.strategy) for _, ex in planned], ulysses_size=u, layout=key)
     return cls(row_offset=int(local_index[0]), local_index=local_index, plan=plan, exchange=exchange,
