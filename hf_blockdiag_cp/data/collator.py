@@ -219,11 +219,11 @@ def _layout_inputs(config: BlockDiagCPConfig, cp_size: int, heads: HeadShape | N
     """The head shape and subgroups a head-parallel layout needs; clear errors when ``u != 1`` lacks them."""
     if heads is not None and not isinstance(heads, HeadShape):
         raise TypeError(f"heads must be a hf_blockdiag_cp.planning.layout.HeadShape, got {type(heads).__name__}")
-    if heads is None and model_config is not None:
-        heads = HeadShape.from_model_config(model_config)
     u = config.ulysses_size
     if u == 1 or cp_size == 1:
         return heads, ulysses_groups
+    if heads is None and model_config is not None:
+        heads = HeadShape.from_model_config(model_config)
     if heads is None:
         raise ValueError(f"ulysses_size={u!r} splits attention heads over CP ranks: give the collator the model's "
                          "heads (model_config=model.config, or heads=HeadShape(num_q_heads, num_kv_heads, head_dim))")

@@ -86,3 +86,13 @@ def test_example_rejects_a_cp_size_that_does_not_divide_the_world(tmp_path):
                           timeout=180)
     assert proc.returncode != 0
     assert "world size 2 is not divisible by cp_size=3" in proc.output
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_example_with_ulysses_size_keeps_parity(tmp_path):
+    # Issue 18: --ulysses-size 2 at cp 2 is pure head parallelism (the head all-to-all in every layer).
+    result = _launch(tmp_path, "--cp-size", "2", "--seq-len", "512", "--steps", "2", "--max-docs", "24",
+                     "--check-parity", "--ulysses-size", "2")
+    assert result["parity"]["abs_loss_diff"] <= 1e-5 and result["parity"]["max_grad_diff"] <= 1e-4
+    assert "ulysses_size 2" in result["stdout"]
