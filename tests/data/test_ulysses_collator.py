@@ -100,3 +100,14 @@ def test_collator_logs_the_auto_choice_once(caplog):
     assert len(lines) == 1 and "ulysses_size=auto -> u=" in lines[0], lines
     ctx = batches[0]["cp_context"]
     assert batches[0]["input_ids"].shape == (1, 10) and ctx.layout.requested == "auto"
+
+
+def test_collator_pickles_with_its_subgroups():
+    # DataLoader workers get the collator pickled: the subgroups travel by name (here: none live).
+    collator = bd.PackingCollator(40, cp_size=4, cp_rank=1, pad_token_id=0, ulysses_size=2,
+                                  heads=HeadShape(4, 1, 8), ulysses_groups=GROUPS)
+    copy = pickle.loads(pickle.dumps(collator))
+    assert copy.ulysses_groups.sizes() == (2, 4) and copy.config.ulysses_size == 2
+    examples = [{"input_ids": list(range(1, 30))}, {"input_ids": list(range(1, 6))}]
+    a, b = collator(examples)["cp_context"], copy(examples)["cp_context"]
+    assert torch.equal(a.local_index, b.local_index) and int(a.plan_fingerprint) == int(b.plan_fingerprint)
