@@ -20,6 +20,7 @@ from .distributed import AgreementError, CollectiveError, ExchangeSizeError
 from .kernels import BackendUnavailable
 from .data import PackedDataset, PackedRow, PackingCollator, from_flattened, sliding_windows
 from .planning import PlanError, VarlenPlan, build_varlen_plan
+from .planning.layout import HeadShape
 from .training import (
     check_collator,
     cp_coordinates,
@@ -43,6 +44,7 @@ __all__ = [
     "CPSFTTrainer",
     "CollectiveError",
     "ExchangeSizeError",
+    "HeadShape",
     "ATTN_IMPLEMENTATION",
     "BACKENDS",
     "BlockDiagCPConfig",
