@@ -267,8 +267,8 @@ def _plan_layout(ids: torch.Tensor, cp_size: int, config: BlockDiagCPConfig, pla
         raise ValueError(f"a ready Placement cannot be combined with ulysses_size={config.ulysses_size!r}: the layout "
                          "places the sequence groups itself; pass a placement kind")
     if heads is None:
-        raise ValueError(f"ulysses_size={config.ulysses_size!r} needs the model's head shape: pass heads=HeadShape(...) "
-                         "(PackingCollator: heads= or model_config=model.config)")
+        raise ValueError(f"ulysses_size={config.ulysses_size!r} needs the model's head shape: pass "
+                         "heads=HeadShape(...) (PackingCollator: heads= or model_config=model.config)")
     if placement is not None and placement != config.placement:
         config = dataclasses.replace(config, placement=placement)
     return plan_layout(ids, cp_size=cp_size, heads=heads, windows=tuple(sliding_windows) or (None,), config=config)
