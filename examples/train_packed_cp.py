@@ -47,6 +47,9 @@ def parse_args(argv: list[str] | None = None):
     p.add_argument("--fsdp2", action="store_true",
                    help="shard the model with torch FSDP2 (fully_shard per decoder layer) over all ranks instead of "
                         "DDP; works on CPU too (accelerate's own FSDP config needs GPUs)")
+    p.add_argument("--ulysses-size", default="1", type=lambda v: v if v == "auto" else int(v),
+                   help="CP ranks per head-parallel (Ulysses) subgroup: an int dividing the CP size, or 'auto' (chosen "
+                        "per step by the cost model; see docs/layouts.md). Default 1: sequence parallelism only")
     return p.parse_args(argv)
 
 
@@ -117,7 +120,7 @@ def main(argv: list[str] | None = None) -> dict:
         from accelerate import Accelerator
         from accelerate.utils import InitProcessGroupKwargs
 
-        config = bd.BlockDiagCPConfig(backend=args.backend, kv_exchange=args.kv_exchange)
+        config = bd.BlockDiagCPConfig(backend=args.backend, kv_exchange=args.kv_exchange, ulysses_size=args.ulysses_size)
         # On CPU, accelerate spawns several processes only through its torchrun path (distributed_type
         # MULTI_GPU in the config); cpu=True then makes it a gloo MULTI_CPU run. The process group's
         # timeout follows HF_BLOCKDIAG_CP_COLLECTIVE_TIMEOUT_S: DDP's collectives would otherwise wait 30
@@ -140,13 +143,16 @@ def main(argv: list[str] | None = None) -> dict:
         model = apply_lora(model, args)
         docs = load_documents(args, tokenizer)
         dataset = bd.PackedDataset(docs, args.seq_len, seed=args.seed)
+        # Head-parallel subgroups are created once, here, for every u a step may use (collective over the world).
+        groups = bd.ulysses_groups(mesh, config=config) if mesh is not None and args.ulysses_size != 1 else None
         collator = bd.PackingCollator(args.seq_len, group=mesh["cp"] if mesh is not None else None,
-                                      pad_token_id=tokenizer.pad_token_id, config=config)
+                                      pad_token_id=tokenizer.pad_token_id, config=config, model_config=model.config,
+                                      ulysses_groups=groups)
         bd.check_collator(collator, mesh)
         loader = bd.dp_dataloader(dataset, mesh, collate_fn=collator)
-        logger.info("%d documents (%d tokens), seq_len %d, world %d = dp %d x cp %d, backend %s, kv_exchange %s",
-                    len(docs), sum(len(d["input_ids"]) for d in docs), args.seq_len, world, coords.dp_size,
-                    coords.cp_size, args.backend, args.kv_exchange)
+        logger.info("%d documents (%d tokens), seq_len %d, world %d = dp %d x cp %d, backend %s, kv_exchange %s, "
+                    "ulysses_size %s", len(docs), sum(len(d["input_ids"]) for d in docs), args.seq_len, world,
+                    coords.dp_size, coords.cp_size, args.backend, args.kv_exchange, args.ulysses_size)
 
         model = bd.guard_model(model.to(accelerator.device))
         ref_model = copy.deepcopy(model) if args.check_parity else None

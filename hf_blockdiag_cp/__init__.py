@@ -20,6 +20,7 @@ from .distributed import AgreementError, CollectiveError, ExchangeSizeError
 from .kernels import BackendUnavailable
 from .data import PackedDataset, PackedRow, PackingCollator, from_flattened, sliding_windows
 from .planning import PlanError, VarlenPlan, build_varlen_plan
+from .planning.layout import HeadShape
 from .training import (
     check_chunked_loss,
     check_collator,
@@ -30,6 +31,7 @@ from .training import (
     init_device_mesh,
     normalize_num_items,
     reduce_loss_for_logging,
+    ulysses_groups,
 )
 
 if TYPE_CHECKING:
@@ -44,6 +46,7 @@ __all__ = [
     "CPSFTTrainer",
     "CollectiveError",
     "ExchangeSizeError",
+    "HeadShape",
     "ATTN_IMPLEMENTATION",
     "BACKENDS",
     "BlockDiagCPConfig",
@@ -72,6 +75,7 @@ __all__ = [
     "from_flattened",
     "register",
     "sliding_windows",
+    "ulysses_groups",
 ]
 
 register()

@@ -24,6 +24,7 @@ from .config import BlockDiagCPConfig
 from .distributed.groups import GroupRef, group_to_ref, ref_to_group
 from .planning import PlanError, VarlenPlan, as_doc_ids, build_varlen_plan
 from .planning.exchange import ExchangePlan, plan_exchange
+from .planning.layout import HeadShape, LayoutPlan, plan_layout
 from .planning.placement import Placement, make_placement
 from .planning.fingerprint import fingerprint, plan_fingerprint
 
@@ -54,6 +55,13 @@ class BlockDiagCPContext:
         position_ids: ``[B, S]`` int64 CPU position ids of the full rows when known (the collators
             give them), else ``None``; :attr:`local_position_ids` is this rank's share, which
             :func:`~hf_blockdiag_cp.guard_model` supplies to a forward that lacks ``position_ids``.
+        layout: the step's head-parallel (Ulysses) :class:`~hf_blockdiag_cp.planning.layout.LayoutPlan` when
+            ``config.ulysses_size != 1`` (``None``: today's sequence-only layout). When it chose ``u > 1``
+            (:attr:`ulysses_size`), ``placement`` is the layout's ``[P, L]`` table, and ``plan``,
+            ``exchange`` and ``window_plans`` are this rank's *sequence group's*: ``u * L`` query rows
+            after the head all-to-all, and the ``c``-rank exchange between groups (run as rank ``cp_rank // u``).
+        head_group / seq_group: the process groups of the ``u`` consecutive CP ranks of this rank and of
+            the ``c`` ranks of equal ``cp_rank % u`` (``None`` unless ``u > 1``).
 
     One attribute is not a field (not compared, not pickled, not carried by ``dataclasses.replace``):
     ``origin``, the context a device copy was made from by :meth:`to` (``None`` on the context the
@@ -76,6 +84,9 @@ class BlockDiagCPContext:
     window_plans: dict[int, tuple[VarlenPlan, ExchangePlan]] = field(default_factory=dict)
     position_ids: torch.Tensor | None = None
     plan_fingerprint: int = 0
+    layout: LayoutPlan | None = None
+    head_group: Any = None
+    seq_group: Any = None
     if TYPE_CHECKING:  # set by __post_init__ / to(), not a dataclass field
         origin: BlockDiagCPContext | None
 
@@ -87,7 +98,8 @@ class BlockDiagCPContext:
               config: BlockDiagCPConfig | None = None, input_ids: torch.Tensor | None = None,
               placement: str | Placement | None = None,
               sliding_windows: Sequence[int | None] = (),
-              position_ids: torch.Tensor | None = None) -> BlockDiagCPContext:
+              position_ids: torch.Tensor | None = None, heads: HeadShape | None = None,
+              ulysses_groups: Any = None) -> BlockDiagCPContext:
         """Plan one rank's step: which positions it holds, its kernel segments and its K/V exchange.
 
         Args:
@@ -105,6 +117,9 @@ class BlockDiagCPContext:
                 The balanced placement's work model averages over them.
             position_ids: the full rows' ``[S]`` / ``[B, S]`` position ids, if known: under CP they are
                 part of the step (a rank-local ``arange`` is wrong on every rank but the first).
+            heads: the attention layers' head geometry; needed when ``config.ulysses_size != 1``.
+            ulysses_groups: the :class:`~hf_blockdiag_cp.distributed.ulysses.UlyssesGroups` made at setup
+                (:func:`hf_blockdiag_cp.ulysses_groups`); needed when a step chooses ``u > 1``.
 
         Raises ``ValueError`` when ``group`` is a live process group whose size is not ``cp_size``.
         """
@@ -137,6 +152,13 @@ class BlockDiagCPContext:
         if cp_size == 1:
             plan = build_varlen_plan(ids, local_len=local_len, validate=config.validate)
             return cls(row_offset=0, local_index=torch.arange(local_len), plan=plan, **common)
+        layout = None
+        if config.ulysses_size != 1:
+            layout = _plan_layout(ids, cp_size, config, placement, sliding_windows, heads)
+            if layout.ulysses_size > 1:
+                return _layout_context(cls, layout, ids, cp_rank, ulysses_groups, windows, common,
+                                       placement or config.placement)
+            placement = layout.placement  # auto chose u = 1: today's layout on the same placement
         if not isinstance(placement, Placement):
             placement = make_placement(ids[0], cp_size, placement or config.placement,
                                        tolerance=config.balance_tolerance,
@@ -158,7 +180,12 @@ class BlockDiagCPContext:
                                    placement_rows=placement.index, windows=[w for w, _ in planned],
                                    strategies=[str(ex.strategy) for _, ex in planned])
         return cls(row_offset=int(local_index[0]), local_index=local_index, plan=plan, exchange=exchange,
-                   placement=placement, window_plans=window_plans, plan_fingerprint=plan_fp, **common)
+                   placement=placement, window_plans=window_plans, plan_fingerprint=plan_fp, layout=layout, **common)
+
+    @property
+    def ulysses_size(self) -> int:
+        """``u``: CP ranks per head-parallel subgroup in this step (1: sequence parallelism only)."""
+        return 1 if self.layout is None else self.layout.ulysses_size
 
     def plans_for(self, window: int | None) -> tuple[VarlenPlan, ExchangePlan | None]:
         """The varlen and exchange plans of a layer with sliding ``window`` (the full ones if that
@@ -169,11 +196,12 @@ class BlockDiagCPContext:
     def __getstate__(self) -> dict[str, Any]:
         # Batches come back from DataLoader workers pickled: the fields only, the group by name.
         state = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
-        state["group"] = group_to_ref(self.group)
+        for name in _GROUP_FIELDS:
+            state[name] = group_to_ref(state[name])
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        state = {**state, "group": ref_to_group(state["group"])}
+        state = {**state, **{name: ref_to_group(state.get(name)) for name in _GROUP_FIELDS}}
         for name, value in state.items():
             object.__setattr__(self, name, value)
         self.__post_init__()
@@ -226,3 +254,57 @@ def _check_group_size(group: Any, cp_size: int) -> None:
     if size != cp_size:
         raise ValueError(f"cp_size={cp_size} but the process group given has {size} ranks; build the context "
                          f"(collator) with the group's size, e.g. group=mesh['cp']")
+
+
+#: The context's process-group fields (pickled by name).
+_GROUP_FIELDS = ("group", "head_group", "seq_group")
+
+
+def _plan_layout(ids: torch.Tensor, cp_size: int, config: BlockDiagCPConfig, placement: str | Placement | None,
+                 sliding_windows: Sequence[int | None], heads: HeadShape | None) -> LayoutPlan:
+    """The step's ``u x c`` layout (``config.ulysses_size != 1``), its ``c`` groups placed by ``placement``."""
+    if isinstance(placement, Placement):
+        raise ValueError(f"a ready Placement cannot be combined with ulysses_size={config.ulysses_size!r}: the layout "
+                         "places the sequence groups itself; pass a placement kind")
+    if heads is None:
+        raise ValueError(f"ulysses_size={config.ulysses_size!r} needs the model's head shape: pass "
+                         "heads=HeadShape(...) (PackingCollator: heads= or model_config=model.config)")
+    if placement is not None and placement != config.placement:
+        config = dataclasses.replace(config, placement=placement)
+    return plan_layout(ids, cp_size=cp_size, heads=heads, windows=tuple(sliding_windows) or (None,), config=config)
+
+
+def _layout_context(cls: type[BlockDiagCPContext], layout: LayoutPlan, ids: torch.Tensor, cp_rank: int,
+                    ulysses_groups: Any, windows: list[int], common: dict[str, Any],
+                    placement_kind: str) -> BlockDiagCPContext:
+    """Rank ``cp_rank``'s context under a ``u > 1`` layout: its sequence group's plans (``u * L`` query rows)."""
+    u, c = layout.ulysses_size, layout.seq_groups
+    if ulysses_groups is None:
+        raise ValueError(f"this step's layout uses ulysses_size={u}, but no head-parallel subgroups were given: create "
+                         "them at setup with hf_blockdiag_cp.ulysses_groups(mesh, sizes=...) and pass them as "
+                         "ulysses_groups=")
+    head_group, seq_group = ulysses_groups.get(u)
+    config: BlockDiagCPConfig = common["config"]
+    group, _ = layout.position(cp_rank)
+    group_placement = layout.group_placement
+    pieces = group_placement.pieces(group)
+
+    def plans(window: int | None) -> tuple[VarlenPlan, ExchangePlan]:
+        exchange = layout.exchange(window) if window in layout.windows else plan_exchange(
+            ids, cp_size=c, config=config, placement=group_placement, window=window)
+        positions = exchange.for_rank(group).buffer_positions
+        return build_varlen_plan(ids, local_len=u * common["local_len"], pieces=pieces, kv_positions=positions,
+                                 window=window, validate=config.validate), exchange
+
+    plan, exchange = plans(None)
+    window_plans = {w: plans(w) for w in windows}
+    local_index = layout.placement.index[cp_rank]
+    planned = [(None, exchange), *((w, ex) for w, (_, ex) in window_plans.items())]
+    key = layout.key() + repr(layout.heads).encode()  # the head split too: the all-to-all's sizes follow it
+    # The requested kind (one group's placement is contiguous whatever was asked): ranks compare requests.
+    plan_fp = plan_fingerprint(config, cp_size=common["cp_size"], placement_kind=placement_kind,
+                               placement_rows=layout.placement.index, windows=[w for w, _ in planned],
+                               strategies=[str(ex.strategy) for _, ex in planned], ulysses_size=u, layout=key)
+    return cls(row_offset=int(local_index[0]), local_index=local_index, plan=plan, exchange=exchange,
+               placement=layout.placement, window_plans=window_plans, plan_fingerprint=plan_fp, layout=layout,
+               head_group=head_group, seq_group=seq_group, **common)

@@ -31,6 +31,7 @@ from .cp import cp_attention
 from .keywords import check_keywords, chunked_context_plan, plan_from_kwargs
 from .mask import BlockDiagMask, blockdiag_cp_mask
 from .runtime import device_plan
+from .ulysses_path import ulysses_attention
 
 __all__ = ["ATTN_IMPLEMENTATION", "BlockDiagMask", "blockdiag_cp_attention", "blockdiag_cp_mask", "register"]
 
@@ -110,6 +111,9 @@ def _attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, atte
             raise ValueError("cp_context cannot be combined with a KV cache; pass use_cache=False when training")
         ctx.check_local(batch, local_len)
         config = ctx.config
+        if ctx.cp_size > 1 and ctx.ulysses_size > 1:  # head-parallel layout (issue 18)
+            return ulysses_attention(ctx, query, key, value, dropout_p=dropout, scale=scale, window=sliding_window,
+                                     softcap=softcap, sinks=sinks, chunk_size=chunk_size)
         if ctx.cp_size > 1:
             # Chunks only remove keys: the same exchange serves them, with a finer plan over its buffer.
             chunked = None if chunk_size is None else chunked_context_plan(ctx, mask, query.device)

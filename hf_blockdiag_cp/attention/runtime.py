@@ -22,6 +22,7 @@ import torch
 
 from ..context import BlockDiagCPContext
 from ..distributed import CommStats, RankExchange
+from ..distributed.ulysses import HeadA2A
 from ..kernels import KernelSpec
 from ..kernels.base import PlanSchedules
 from ..planning import VarlenPlan
@@ -53,7 +54,8 @@ class StepRuntime:
         agreed_backends: backends every CP rank can run (the step's rank agreement), once known.
         backends: the backend chosen per kernel spec in this step.
         exchanges: this rank's device-ready exchange per device and planned window (``None``: nothing moves).
-        comm: bytes moved by this step's K/V exchanges.
+        comm: bytes moved by this step's K/V exchanges (and head all-to-alls).
+        head_a2a: this rank's head all-to-all per device (``ulysses_size > 1`` only).
     """
 
     plans: dict[PlanKey, DevicePlan] = field(default_factory=dict)
@@ -61,6 +63,7 @@ class StepRuntime:
     backends: dict[KernelSpec, str] = field(default_factory=dict)
     exchanges: dict[PlanKey, RankExchange | None] = field(default_factory=dict)
     comm: CommStats = field(default_factory=CommStats)
+    head_a2a: dict[torch.device, HeadA2A] = field(default_factory=dict)
 
 
 #: The runtime of every live context (by identity: contexts compare by identity), the module's one cache.

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Sequence
 from typing import Any
@@ -11,6 +12,7 @@ import torch
 from .._validate import check_int
 from ..config import PLACEMENTS, BlockDiagCPConfig
 from ..distributed.groups import group_to_ref, ref_to_group
+from ..planning.layout import HeadShape
 from .examples import Document, read_example
 from .packing import check_overflow, rows_of_documents
 from .rows import PackedRow, assemble_rows
@@ -19,6 +21,8 @@ from .sharding import rank_batch, resolve_cp, row_multiple
 __all__ = ["PackingCollator"]
 
 logger = logging.getLogger("hf_blockdiag_cp.data")
+#: Where the step layouts ``ulysses_size="auto"`` chooses are logged (INFO, once per distinct choice).
+layout_logger = logging.getLogger("hf_blockdiag_cp")
 
 
 class PackingCollator:
@@ -47,6 +51,14 @@ class PackingCollator:
         vocab_size: the model's vocabulary size, if known: a token or label id ``>= vocab_size`` then
             raises ``ValueError`` naming the example and field (instead of an ``IndexError`` deep in the
             embedding or the loss). :class:`~hf_blockdiag_cp.CPTrainer` fills it from the model.
+        ulysses_size: ``u``, CP ranks per head-parallel (Ulysses) subgroup: an int dividing ``cp_size``,
+            or ``"auto"`` (chosen per step by the cost model of :mod:`hf_blockdiag_cp.planning.layout`);
+            default ``config.ulysses_size`` (``HF_BLOCKDIAG_CP_ULYSSES_SIZE``, else 1: sequence
+            parallelism only). See docs/layouts.md.
+        heads / model_config: the attention heads (a :class:`~hf_blockdiag_cp.planning.layout.HeadShape`),
+            or the model config (or model) to read them from; needed when ``ulysses_size != 1``.
+        ulysses_groups: the subgroups from :func:`hf_blockdiag_cp.ulysses_groups`, created at setup for
+            every ``u`` a step may use; needed when ``ulysses_size != 1``.
 
     Calling it on a list of examples (mappings with ``input_ids`` and optional ``labels``) packs them
     best-fit-decreasing and returns one batch dict: ``[B, S]`` at ``cp_size == 1`` (``B`` rows),
@@ -58,7 +70,9 @@ class PackingCollator:
     def __init__(self, seq_len: int, *, cp_size: int | None = None, cp_rank: int | None = None, group: Any = None,
                  pad_token_id: int, label_pad_id: int = -100, pad_to_multiple_of: int | None = None,
                  overflow: str = "split", config: BlockDiagCPConfig | None = None, placement: str | None = None,
-                 sliding_windows: Sequence[int | None] | None = None, vocab_size: int | None = None) -> None:
+                 sliding_windows: Sequence[int | None] | None = None, vocab_size: int | None = None,
+                 ulysses_size: int | str | None = None, heads: HeadShape | None = None, model_config: Any = None,
+                 ulysses_groups: Any = None) -> None:
         self.cp_rank, self.cp_size, self.group = resolve_cp(group, cp_rank, cp_size)
         self.seq_len = check_int("seq_len", seq_len, minimum=1)
         multiple = row_multiple(self.cp_size, pad_to_multiple_of)
@@ -81,6 +95,10 @@ class PackingCollator:
             raise ValueError(f"vocab_size={vocab_size!r} must be None or an int above pad_token_id={pad_token_id}")
         self.vocab_size = vocab_size
         self.sliding_windows = tuple(sliding_windows or ())
+        if ulysses_size is not None:
+            self.config = dataclasses.replace(self.config, ulysses_size=ulysses_size)
+        self.heads, self.ulysses_groups = _layout_inputs(self.config, self.cp_size, heads, model_config, ulysses_groups)
+        self._layouts_logged: set[tuple[int, int]] = set()
         for window in self.sliding_windows:
             if window is not None:
                 check_int("sliding_windows", window, minimum=1)
@@ -142,9 +160,20 @@ class PackingCollator:
         full = [assemble_rows([r.documents], self.seq_len, pad_token_id=self.pad_token_id,
                               label_pad_id=self.label_pad_id) for r in rows]
         num_items = sum(f.num_items for f in full)
-        return [rank_batch(f, cp_rank=self.cp_rank, cp_size=self.cp_size, group=self.group, config=self.config,
-                           placement=self.placement, sliding_windows=self.sliding_windows,
-                           num_items=num_items) for f in full]
+        return [self._log_layout(rank_batch(
+            f, cp_rank=self.cp_rank, cp_size=self.cp_size, group=self.group, config=self.config,
+            placement=self.placement, sliding_windows=self.sliding_windows, num_items=num_items, heads=self.heads,
+            ulysses_groups=self.ulysses_groups)) for f in full]
+
+    def _log_layout(self, batch: dict[str, Any]) -> dict[str, Any]:
+        """Log the layout ``ulysses_size="auto"`` chose, once per distinct ``(u, c)``."""
+        layout = batch["cp_context"].layout
+        if layout is not None and layout.requested == "auto":
+            choice = (layout.ulysses_size, layout.seq_groups)
+            if choice not in self._layouts_logged:
+                self._layouts_logged.add(choice)
+                layout_logger.info("hf_blockdiag_cp layout: %s", layout.summary())
+        return batch
 
     def __call__(self, examples: Sequence[Any]) -> dict[str, Any]:
         """This rank's batch for ``examples``: ``[B, S]`` tensors at ``cp_size == 1``, ``[1, L]`` under CP."""
@@ -156,8 +185,10 @@ class PackingCollator:
                 f"hf_blockdiag_cp.PackedDataset with batch size 1, or use PackingCollator.micro_batches()")
         full = assemble_rows([r.documents for r in rows], self.seq_len, pad_token_id=self.pad_token_id,
                              label_pad_id=self.label_pad_id)
-        return rank_batch(full, cp_rank=self.cp_rank, cp_size=self.cp_size, group=self.group, config=self.config,
-                          placement=self.placement, sliding_windows=self.sliding_windows)
+        return self._log_layout(rank_batch(
+            full, cp_rank=self.cp_rank, cp_size=self.cp_size, group=self.group, config=self.config,
+            placement=self.placement, sliding_windows=self.sliding_windows, heads=self.heads,
+            ulysses_groups=self.ulysses_groups))
 
     def _check_vocabulary(self, docs: Sequence[Document], where: str) -> None:
         """Raise if a token or label id of ``docs`` is not below ``vocab_size`` (``where`` + ``doc.index``
@@ -181,3 +212,24 @@ class PackingCollator:
                 raise ValueError(f"example {i}: PackedRow holds no documents")
         return list(rows)
 
+
+
+def _layout_inputs(config: BlockDiagCPConfig, cp_size: int, heads: HeadShape | None, model_config: Any,
+                   ulysses_groups: Any) -> tuple[HeadShape | None, Any]:
+    """The head shape and subgroups a head-parallel layout needs; clear errors when ``u != 1`` lacks them."""
+    if heads is not None and not isinstance(heads, HeadShape):
+        raise TypeError(f"heads must be a hf_blockdiag_cp.planning.layout.HeadShape, got {type(heads).__name__}")
+    u = config.ulysses_size
+    if u == 1 or cp_size == 1:
+        return heads, ulysses_groups
+    if heads is None and model_config is not None:
+        heads = HeadShape.from_model_config(model_config)
+    if heads is None:
+        raise ValueError(f"ulysses_size={u!r} splits attention heads over CP ranks: give the collator the model's "
+                         "heads (model_config=model.config, or heads=HeadShape(num_q_heads, num_kv_heads, head_dim))")
+    if isinstance(u, int) and cp_size % u:
+        raise ValueError(f"ulysses_size={u} does not divide cp_size={cp_size}")
+    if ulysses_groups is None:
+        raise ValueError(f"ulysses_size={u!r} needs the head-parallel subgroups: create them once at setup with "
+                         "hf_blockdiag_cp.ulysses_groups(mesh, sizes=...) and pass ulysses_groups=")
+    return heads, ulysses_groups

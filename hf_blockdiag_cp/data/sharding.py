@@ -90,8 +90,11 @@ def check_not_dispatched() -> None:
 
 def rank_batch(full: FullRows, *, cp_rank: int, cp_size: int, group: Any = None,
                config: BlockDiagCPConfig | None = None, num_items: int | None = None, placement: str | None = None,
-               sliding_windows: Sequence[int | None] = ()) -> dict[str, Any]:
+               sliding_windows: Sequence[int | None] = (), heads: Any = None,
+               ulysses_groups: Any = None) -> dict[str, Any]:
     """Rank ``cp_rank``'s batch of the full rows ``full`` (``[B, S]``; ``B == 1`` when ``cp_size > 1``).
+
+    ``heads`` / ``ulysses_groups``: see :meth:`BlockDiagCPContext.build` (for ``ulysses_size != 1``).
 
     Returns:
         ``input_ids``, ``position_ids``, ``labels``, ``shift_labels``: ``[B, L]`` int64 local slices;
@@ -106,7 +109,7 @@ def rank_batch(full: FullRows, *, cp_rank: int, cp_size: int, group: Any = None,
     # the step's agreement instead of training on different data.
     context = BlockDiagCPContext.build(full.doc_ids, cp_rank=cp_rank, cp_size=cp_size, group=group, config=config,
                                        input_ids=full.input_ids, placement=placement, sliding_windows=sliding_windows,
-                                       position_ids=full.position_ids)
+                                       position_ids=full.position_ids, heads=heads, ulysses_groups=ulysses_groups)
     num_items = full.num_items if num_items is None else int(num_items)
     if num_items == 0:
         warnings.warn("this batch has no targets (every label is ignored): num_items_in_batch=0. If the whole step "

@@ -90,7 +90,7 @@ def agree_on_backends(local: frozenset[str], universe: Sequence[str], *, data_fi
 
 
 #: The plan fields users set (the rest are derived from them and the data).
-_REQUESTS = frozenset(PLAN_FIELDS[:5])
+_REQUESTS = frozenset((*PLAN_FIELDS[:5], "ulysses_size"))
 
 
 def _plan_mismatch(plans: list[int], fields: list[list[int]]) -> str:

@@ -29,8 +29,10 @@ import torch.distributed as dist
 
 from ..planning.layout import HeadSplit
 from .exchange import CommStats, check_usable, failed, wait
+from .groups import group_to_ref, ref_to_group
 
-__all__ = ["HeadA2A", "heads_to_tokens", "new_subgroups", "subgroup_ranks", "tokens_to_heads"]
+__all__ = ["HeadA2A", "UlyssesGroups", "create_ulysses_groups", "heads_to_tokens", "new_subgroups", "subgroup_ranks",
+           "tokens_to_heads"]
 
 
 @dataclass(frozen=True, eq=False)
@@ -234,3 +236,47 @@ def new_subgroups(cp_groups: Sequence[Sequence[int]], ulysses_size: int, *, time
                 if me in members:
                     mine[slot] = group
     return mine[0], mine[1]
+
+
+@dataclass(frozen=True, eq=False)
+class UlyssesGroups:
+    """This process's head-parallel and sequence subgroups, per ``ulysses_size`` they were created for.
+
+    Attributes:
+        groups: ``{u: (head group, sequence group)}`` (``u > 1``): the ``u`` consecutive CP ranks of this
+            process and the ``P / u`` CP ranks of its head rank ``cp_rank % u``.
+
+    Pickles with the groups by name (DataLoader workers), like the context's CP group.
+    """
+
+    groups: dict[int, tuple[object, object]]
+
+    def sizes(self) -> tuple[int, ...]:
+        return tuple(sorted(self.groups))
+
+    def get(self, ulysses_size: int) -> tuple[object, object]:
+        """``(head group, sequence group)`` for ``ulysses_size``; ``ValueError`` when not created."""
+        if ulysses_size not in self.groups:
+            raise ValueError(f"no head-parallel subgroups for ulysses_size={ulysses_size} were created (have: "
+                             f"{list(self.sizes())}); create them at setup with hf_blockdiag_cp.ulysses_groups(mesh, "
+                             f"sizes=...) for every ulysses_size a step may use")
+        return self.groups[ulysses_size]
+
+    def __reduce__(self):
+        refs = {u: (group_to_ref(h), group_to_ref(s)) for u, (h, s) in self.groups.items()}
+        return _resolve_groups, (refs,)
+
+
+def _resolve_groups(refs: dict[int, tuple[object, object]]) -> UlyssesGroups:
+    return UlyssesGroups({u: (ref_to_group(h), ref_to_group(s)) for u, (h, s) in refs.items()})
+
+
+def create_ulysses_groups(cp_groups: Sequence[Sequence[int]], sizes: Sequence[int], *, timeout_s: float,
+                          backend: str | None = None) -> UlyssesGroups:
+    """:func:`new_subgroups` for every ``u > 1`` in ``sizes`` (ascending): collective over the default
+    group, at setup, with the same arguments on every process."""
+    found = {}
+    for u in sorted(set(sizes)):
+        if u > 1:
+            found[u] = new_subgroups(cp_groups, u, timeout_s=timeout_s, backend=backend)
+    return UlyssesGroups(found)

@@ -23,7 +23,7 @@ def fingerprint(*parts: bytes) -> int:
 #: requests themselves (small ints: an index into the config's choices, the tolerance's float64 bits),
 #: so that a mismatch can be quoted with each rank's value; the rest are hashes of derived facts.
 PLAN_FIELDS: tuple[str, ...] = ("cp_size", "placement", "balance_tolerance", "kv_exchange", "backend",
-                                "sliding_windows", "placement_rows", "exchange_strategies")
+                                "sliding_windows", "placement_rows", "exchange_strategies", "ulysses_size", "layout")
 
 
 class PlanFingerprint(int):
@@ -47,7 +47,8 @@ def _float_bits(x: float) -> int:
 
 
 def plan_fingerprint(config: BlockDiagCPConfig, *, cp_size: int, placement_kind: str, placement_rows: torch.Tensor,
-                     windows: Sequence[int | None], strategies: Sequence[str]) -> PlanFingerprint:
+                     windows: Sequence[int | None], strategies: Sequence[str], ulysses_size: int = 1,
+                     layout: bytes | None = None) -> PlanFingerprint:
     """The fingerprint of what every CP rank must have planned alike.
 
     Args:
@@ -55,6 +56,8 @@ def plan_fingerprint(config: BlockDiagCPConfig, *, cp_size: int, placement_kind:
         cp_size: the context's CP size.
         placement_kind / placement_rows: the placement used and its ``[P, L]`` position table.
         windows / strategies: the planned sliding windows and each exchange's resolved strategy.
+        ulysses_size / layout: the step's head-parallel size ``u`` and, when ``u > 1``, the bytes of its
+            :meth:`~hf_blockdiag_cp.planning.layout.LayoutPlan.key` (``None``: 0, today's layout).
     """
     # The tolerance shapes only a balanced placement: other placements do not compare it (-1: no
     # float's bits, as tolerances are >= 0).
@@ -69,12 +72,14 @@ def plan_fingerprint(config: BlockDiagCPConfig, *, cp_size: int, placement_kind:
         "sliding_windows": fingerprint(repr(tuple(windows)).encode()),
         "placement_rows": fingerprint(placement_rows.to(torch.int64).contiguous().numpy().tobytes()),
         "exchange_strategies": fingerprint(repr(tuple(strategies)).encode()),
+        "ulysses_size": ulysses_size,
+        "layout": 0 if layout is None else fingerprint(layout),
     })
 
 
 def describe_plan_field(name: str, value: int) -> str:
     """``value`` of plan field ``name`` as a user would write it (hashes are quoted as such)."""
-    if name == "cp_size":
+    if name in ("cp_size", "ulysses_size"):
         return str(value)
     choices = {"placement": PLACEMENTS, "kv_exchange": KV_EXCHANGES, "backend": BACKENDS}.get(name)
     if choices is not None:

@@ -97,6 +97,23 @@ class HeadShape:
     def v_dim(self) -> int:
         return self.head_dim if self.value_dim is None else self.value_dim
 
+    @classmethod
+    def from_model_config(cls, config: object) -> HeadShape:
+        """The attention heads of a transformers model config (or a model: its ``.config``; multimodal
+        configs: their text config). MLA configs (``qk_nope_head_dim + qk_rope_head_dim``, ``v_head_dim``)
+        give ``D != Dv``. ``ValueError`` when the config does not name its heads."""
+        config = getattr(config, "config", config)
+        text = getattr(config, "get_text_config", None)
+        config = text() if callable(text) else config
+        hq = getattr(config, "num_attention_heads", None)
+        if not isinstance(hq, int):
+            raise ValueError(f"{type(config).__name__} has no int num_attention_heads; pass heads=HeadShape(...)")
+        hkv = getattr(config, "num_key_value_heads", None) or hq
+        if getattr(config, "qk_rope_head_dim", None) and getattr(config, "v_head_dim", None):
+            return cls(hq, hkv, config.qk_nope_head_dim + config.qk_rope_head_dim, config.v_head_dim)
+        head_dim = getattr(config, "head_dim", None) or getattr(config, "hidden_size", 0) // hq
+        return cls(hq, hkv, head_dim)
+
 
 @dataclass(frozen=True)
 class HeadSplit:

@@ -13,7 +13,7 @@ from .chunked_loss import check_chunked_loss, chunked_causal_lm_loss
 from .checks import check_batch, check_collator, guard_model
 from .data import DataParallelShard, dp_dataloader
 from .loss import global_num_items, normalize_num_items, reduce_loss_for_logging
-from .mesh import CPCoordinates, check_group_timeouts, cp_coordinates, init_device_mesh
+from .mesh import CPCoordinates, check_group_timeouts, cp_coordinates, init_device_mesh, ulysses_groups
 
 if TYPE_CHECKING:
     from .trainer import CPTrainer
@@ -39,6 +39,7 @@ __all__ = [
     "init_device_mesh",
     "normalize_num_items",
     "reduce_loss_for_logging",
+    "ulysses_groups",
 ]
 
 

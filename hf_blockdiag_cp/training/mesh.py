@@ -20,8 +20,9 @@ from torch.distributed.device_mesh import init_device_mesh as torch_init_device_
 from .._validate import check_int
 from ..config import ENV_VARS, BlockDiagCPConfig
 from ..distributed.groups import group_options, group_timeout, record_cp_mesh
+from ..distributed.ulysses import UlyssesGroups, create_ulysses_groups
 
-__all__ = ["CPCoordinates", "check_group_timeouts", "cp_coordinates", "init_device_mesh"]
+__all__ = ["CPCoordinates", "check_group_timeouts", "cp_coordinates", "init_device_mesh", "ulysses_groups"]
 
 
 def init_device_mesh(cp_size: int, *, device_type: str | None = None,
@@ -114,3 +115,41 @@ def cp_coordinates(mesh: DeviceMesh | None) -> CPCoordinates:
         raise ValueError(f"expected a ('dp', 'cp') mesh from hf_blockdiag_cp.init_device_mesh, got {mesh.mesh_dim_names}")
     return CPCoordinates(dp_rank=mesh.get_local_rank("dp"), dp_size=mesh.size(0),
                          cp_rank=mesh.get_local_rank("cp"), cp_size=mesh.size(1))
+
+
+def ulysses_groups(mesh: DeviceMesh | None = None, sizes: int | str | tuple[int, ...] | None = None, *,
+                   config: BlockDiagCPConfig | None = None) -> UlyssesGroups:
+    """Create, at setup, the head-parallel subgroups a :class:`~hf_blockdiag_cp.PackingCollator` with
+    ``ulysses_size`` needs (pass the result as its ``ulysses_groups``).
+
+    Args:
+        mesh: the ``("dp", "cp")`` mesh of :func:`init_device_mesh`; ``None``: the whole world is one
+            CP group.
+        sizes: the ``ulysses_size`` values steps may use: an int, ``"auto"`` (every divisor of the CP
+            size above 1: what ``auto`` may pick) or a tuple; default ``config.ulysses_size``.
+        config: whose ``process_group_timeout`` bounds the new groups (default ``BlockDiagCPConfig()``).
+
+    Collective over the default process group (``new_group``): every process calls it, once, with the
+    same arguments, never per step.
+    """
+    config = config or BlockDiagCPConfig()
+    if not dist.is_initialized():
+        raise RuntimeError("ulysses_groups needs an initialised torch.distributed (call init_device_mesh first)")
+    if mesh is None:
+        cp_groups = [list(range(dist.get_world_size()))]
+    else:
+        if mesh.mesh_dim_names != ("dp", "cp"):
+            raise ValueError(f"expected a ('dp', 'cp') mesh from hf_blockdiag_cp.init_device_mesh, got "
+                             f"{mesh.mesh_dim_names}")
+        cp_groups = mesh.mesh.reshape(-1, mesh.size(1)).tolist()
+    cp_size = len(cp_groups[0])
+    sizes = config.ulysses_size if sizes is None else sizes
+    if sizes == "auto":
+        sizes = tuple(u for u in range(2, cp_size + 1) if cp_size % u == 0)
+    elif isinstance(sizes, int):
+        sizes = (sizes,)
+    for u in sizes:
+        check_int("sizes", u, minimum=1)
+        if cp_size % u:
+            raise ValueError(f"sizes: ulysses_size={u} does not divide the CP group size {cp_size}")
+    return create_ulysses_groups(cp_groups, sizes, timeout_s=config.process_group_timeout.total_seconds())

@@ -154,3 +154,13 @@ def test_other_ranks_stay_quiet_and_trl_arguments_use_current_names():
     report = json.loads(proc.stdout.strip().splitlines()[-1])
     assert report["progress_bars"] is False and report["transformers_verbosity"] == 40, report  # logging.ERROR
     assert report["checkpointing"] is True and report["deprecations"] == [], report
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_example_with_ulysses_size_keeps_parity(tmp_path):
+    # Issue 18: --ulysses-size 2 at cp 2 is pure head parallelism (the head all-to-all in every layer).
+    result = _launch(tmp_path, "--cp-size", "2", "--seq-len", "512", "--steps", "2", "--max-docs", "24",
+                     "--check-parity", "--ulysses-size", "2")
+    assert result["parity"]["abs_loss_diff"] <= 1e-5 and result["parity"]["max_grad_diff"] <= 1e-4
+    assert "ulysses_size 2" in result["stdout"]
