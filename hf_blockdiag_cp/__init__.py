@@ -21,7 +21,9 @@ from .kernels import BackendUnavailable
 from .data import PackedDataset, PackedRow, PackingCollator, from_flattened, sliding_windows
 from .planning import PlanError, VarlenPlan, build_varlen_plan
 from .training import (
+    ParameterMismatchError,
     check_collator,
+    check_parameters_consistent,
     cp_coordinates,
     dp_dataloader,
     guard_model,
@@ -53,12 +55,14 @@ __all__ = [
     "PackedDataset",
     "PackedRow",
     "PackingCollator",
+    "ParameterMismatchError",
     "PlanError",
     "VarlenPlan",
     "blockdiag_attention",
     "blockdiag_cp_attention",
     "build_varlen_plan",
     "check_collator",
+    "check_parameters_consistent",
     "cp_coordinates",
     "dp_dataloader",
     "guard_model",

@@ -1,4 +1,5 @@
-"""Training on a (dp, cp) mesh: the mesh, data sharding over dp, loss normalisation, set-up checks.
+"""Training on a (dp, cp) mesh: the mesh, data sharding over dp, loss normalisation, set-up checks,
+parameter consistency across the CP group.
 
 ``CPTrainer`` is loaded on first use: importing ``transformers.trainer`` is most of the package's
 import time, and every spawned rank would pay it even when it never builds a Trainer.
@@ -10,6 +11,7 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 from .checks import check_batch, check_collator, guard_model
+from .consistency import ParameterMismatchError, check_parameters_consistent
 from .data import DataParallelShard, dp_dataloader
 from .loss import global_num_items, normalize_num_items, reduce_loss_for_logging
 from .mesh import CPCoordinates, check_group_timeouts, cp_coordinates, init_device_mesh
@@ -26,8 +28,10 @@ __all__ = [
     "CPSFTTrainer",
     "CPTrainer",
     "DataParallelShard",
+    "ParameterMismatchError",
     "check_batch",
     "check_collator",
+    "check_parameters_consistent",
     "check_group_timeouts",
     "cp_coordinates",
     "dp_dataloader",
