@@ -82,3 +82,43 @@ def test_parameter_check_every_is_validated(bad):
 
     with pytest.raises(ValueError, match="parameter_check_every"):
         CPTrainer(model=torch.nn.Linear(2, 2), parameter_check_every=bad)
+
+
+def _trainer_worker(rank: int, world: int, tmp: str) -> str:
+    from transformers import TrainerCallback
+
+    import hf_blockdiag_cp as bd
+    from tests.reference import tiny_model
+    from tests.training.test_trainer_cp import SEQ_LEN, _documents, _training_args
+
+    class PerturbOnRank1(TrainerCallback):
+        """Runs before the package's check (callbacks run in the order added): the weights of rank 1 drift
+        after DDP's initial broadcast, as after a skipped optimizer.step (different seeds alone are
+        overwritten by DDP over the whole mesh)."""
+
+        def on_step_begin(self, args, state, control, model=None, **kwargs):
+            if rank == 1 and state.global_step == 0:
+                with torch.no_grad():
+                    model.lm_head.weight[0, 0] += 1e-3
+
+    mesh = bd.init_device_mesh(world)
+    examples = [{"input_ids": d.tolist()} for d in _documents()]
+    collator = bd.PackingCollator(SEQ_LEN, group=mesh["cp"], pad_token_id=0)
+    model = tiny_model("llama", attn_implementation="blockdiag_cp")
+    trainer = bd.CPTrainer(model=model, args=_training_args(tmp), train_dataset=examples, data_collator=collator,
+                           mesh=mesh, callbacks=[PerturbOnRank1()])
+    try:
+        trainer.train()
+    except bd.ParameterMismatchError as err:
+        return str(err)
+    return "trained"
+
+
+@pytest.mark.slow
+def test_cp_trainer_refuses_ranks_with_different_weights_at_the_first_step(tmp_path):
+    from tests.training.test_trainer_cp import _rank_env
+
+    messages = run_ranks(_trainer_worker, 2, str(tmp_path), timeout=300, env=_rank_env(2))
+    for message in messages:
+        assert "step 0: the ranks of the CP group hold different parameters" in message, message
+        assert "lm_head.weight" in message, message
