@@ -50,6 +50,9 @@ def parse_args(argv: list[str] | None = None):
     p.add_argument("--ulysses-size", default="1", type=lambda v: v if v == "auto" else int(v),
                    help="CP ranks per head-parallel (Ulysses) subgroup: an int dividing the CP size, or 'auto' (chosen "
                         "per step by the cost model; see docs/layouts.md). Default 1: sequence parallelism only")
+    p.add_argument("--parameter-check-every", type=int, default=100,
+                   help="compare the parameters of the CP group at the first step and every N steps (0 = never; "
+                        "one pass over the parameters and two small all-gathers per check)")
     return p.parse_args(argv)
 
 
@@ -188,6 +191,9 @@ def main(argv: list[str] | None = None) -> dict:
     for step in range(args.steps):
         batch = next(rows)
         ctx = batch["cp_context"]
+        if mesh is not None and coords.cp_size > 1 and args.parameter_check_every \
+                and step % args.parameter_check_every == 0:
+            bd.check_parameters_consistent(model, mesh, step=step)  # same weights on every CP rank
         tokens = torch.tensor(float((ctx.doc_ids != 0).sum()))
         if mesh is not None and coords.dp_size > 1:
             dist.all_reduce(tokens, group=mesh["dp"].get_group())  # real tokens of the whole step

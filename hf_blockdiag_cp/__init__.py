@@ -22,8 +22,10 @@ from .data import PackedDataset, PackedRow, PackingCollator, from_flattened, sli
 from .planning import PlanError, VarlenPlan, build_varlen_plan
 from .planning.layout import HeadShape
 from .training import (
+    ParameterMismatchError,
     check_chunked_loss,
     check_collator,
+    check_parameters_consistent,
     chunked_causal_lm_loss,
     cp_coordinates,
     dp_dataloader,
@@ -58,6 +60,7 @@ __all__ = [
     "PackedDataset",
     "PackedRow",
     "PackingCollator",
+    "ParameterMismatchError",
     "PlanError",
     "VarlenPlan",
     "blockdiag_attention",
@@ -65,6 +68,7 @@ __all__ = [
     "build_varlen_plan",
     "check_chunked_loss",
     "check_collator",
+    "check_parameters_consistent",
     "chunked_causal_lm_loss",
     "cp_coordinates",
     "dp_dataloader",

@@ -15,7 +15,7 @@ import torch.distributed as dist
 
 from ..config import BACKENDS
 from ..context import BlockDiagCPContext
-from ..distributed import CommStats, RankExchange, agree_on_backends, exchange_kv
+from ..distributed import CommStats, RankExchange, agree_on_backends, exchange_kv, mark_broken
 from ..distributed.groups import GroupRef
 from ..kernels import KernelSpec, available_backends
 from ..planning import PlanError
@@ -31,7 +31,19 @@ _BACKEND_BITS: tuple[str, ...] = tuple(name for name in BACKENDS if name != "aut
 
 class CPKernelError(RuntimeError):
     """An attention kernel raised on this rank during a CP step (its peers will fail in their next
-    collective, within ``collective_timeout_s``)."""
+    collective, within ``collective_timeout_s``). The CP group is recorded as broken: its next use on this
+    rank raises :class:`~hf_blockdiag_cp.distributed.CollectiveError` instead of entering a collective
+    its peers left."""
+
+
+def kernel_failed(ctx: BlockDiagCPContext, backend: str, err: BaseException) -> CPKernelError:
+    """Record ``ctx.group`` as broken (the peers are past this layer's exchange, or stuck in the next one) and
+    build the error for a kernel that raised ``err`` on this rank."""
+    failure = f"the {backend!r} attention kernel on CP rank {ctx.cp_rank} failed ({type(err).__name__})"
+    mark_broken(ctx.group, failure)
+    return CPKernelError(f"CP rank {ctx.cp_rank}/{ctx.cp_size}: the {backend!r} attention kernel failed "
+                         f"({type(err).__name__}: {err}); peer ranks will stop at their next collective, and this CP "
+                         "group cannot be used again in this process (end the job and restart it)")
 
 
 def comm_stats(ctx: BlockDiagCPContext) -> CommStats:
@@ -153,5 +165,4 @@ def cp_attention(ctx: BlockDiagCPContext, query: torch.Tensor, key: torch.Tensor
         return attend_flat(flat_rows(query), k_flat, v_flat, plan.plan, backend, scale=scale, dropout_p=dropout_p,
                            window=window, softcap=softcap, sinks=sinks, config=ctx.config, schedules=plan.schedules)
     except Exception as err:
-        raise CPKernelError(f"CP rank {ctx.cp_rank}/{ctx.cp_size}: the {backend!r} attention kernel failed "
-                            f"({type(err).__name__}: {err}); peer ranks will stop at their next collective") from err
+        raise kernel_failed(ctx, backend, err) from err

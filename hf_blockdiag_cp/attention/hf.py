@@ -26,9 +26,10 @@ from ..config import ATTN_IMPLEMENTATION, BlockDiagCPConfig
 from ..context import BlockDiagCPContext
 from ..kernels import BackendUnavailable
 from ..model import mark_attention_call, patch_transformers
+from ..model.prepare import check_context_reached
 from .core import attend_flat, autocast_like_sdpa, check_qkv, flat_rows, kernel_spec, resolve_backend
 from .cp import cp_attention
-from .keywords import check_keywords, chunked_context_plan, plan_from_kwargs
+from .keywords import check_keywords, chunked_context_plan, plan_from_kwargs, refuse_appended_keys
 from .mask import BlockDiagMask, blockdiag_cp_mask
 from .runtime import device_plan
 from .ulysses_path import ulysses_attention
@@ -69,6 +70,8 @@ def blockdiag_cp_attention(module: torch.nn.Module, query: torch.Tensor, key: to
     mask = attention_mask if isinstance(attention_mask, BlockDiagMask) else None
     model_type = _model_type(module, mask)
     check_keywords(module, model_type, kwargs)
+    check_context_reached(module, kwargs.get("cp_context"))  # layers that drop the model's kwargs (CP > 1)
+    refuse_appended_keys(mask, query, key, model_type)  # keys that are neither the local rows nor a cache
     if mask is not None:
         if mask.spec.refusal is not None:
             raise NotImplementedError(f"{model_type}: {mask.spec.refusal}; blockdiag_cp cannot serve this mask")

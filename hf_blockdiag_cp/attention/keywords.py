@@ -34,7 +34,7 @@ from .mask import BlockDiagMask
 from .mask_spec import MaskSpec
 from .runtime import DevicePlan
 
-__all__ = ["check_keywords", "chunked_context_plan", "plan_from_kwargs"]
+__all__ = ["check_keywords", "chunked_context_plan", "plan_from_kwargs", "refuse_appended_keys"]
 
 #: Keywords the attention function reads.
 _USED_KEYWORDS = frozenset({
@@ -70,6 +70,25 @@ def check_keywords(module: torch.nn.Module, model_type: str, kwargs: dict[str, A
             f"({type(module).__name__}); blockdiag_cp does not implement it and refuses rather than ignore it"
             + ("" if name in _KEYWORD_MEANING else
                ". If it does not change attention, leave it out of the batch passed to model(...)"))
+
+
+def refuse_appended_keys(mask: BlockDiagMask | None, query: torch.Tensor, key: torch.Tensor, model_type: str) -> None:
+    """Refuse keys the model appended to its local rows itself (neither these rows nor a KV cache).
+
+    ``deepseek_v4``'s attention appends compressed entries to the keys and values (260 keys for 258
+    queries) and extends only tensor masks: the mask of this forward says there is no cache (no offsets,
+    as many keys as queries), yet the keys are more. Taken for a cache, the extra keys would shift every
+    query's document (bottom-right alignment); with a ``cp_context`` they would be blamed on a cache.
+    Shapes and the mask's host fields only. ``query [B, Hq, L, D]``, ``key [B, Hkv, S, D]``.
+    """
+    if mask is None or mask.q_offset or mask.kv_offset:
+        return
+    local_len, key_len = query.shape[2], key.shape[2]
+    if mask.q_length == mask.kv_length == local_len and key_len != local_len:
+        raise NotImplementedError(
+            f"{model_type} appends keys of its own to the attention ({key_len} keys for {local_len} queries, with no "
+            "KV cache in this forward): blockdiag_cp cannot place them in the documents of a packed row or a CP "
+            "shard, and refuses rather than take them for a cache")
 
 
 def _split_chunks(doc_ids: torch.Tensor, positions: torch.Tensor, chunk_size: int) -> torch.Tensor:

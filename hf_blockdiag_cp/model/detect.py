@@ -11,6 +11,10 @@ attention function does, and transformers gives an attention function no way to 
   ``attn_implementation="blockdiag_cp"`` and runs its own attention over the whole row
   (:func:`refuse_bypassing_model` at load time; the post-forward hook of :mod:`.prepare` at run time).
 
+A fourth is not about attention: a model whose own loss does not go through transformers'
+``self.loss_function`` ignores the collator's ``shift_labels`` and ``num_items_in_batch`` and trains
+another objective (:func:`loss_refusal`).
+
 Also the one test of whether a model uses this package's attention (:func:`uses_blockdiag_cp`) and the
 one error for a model that does not (:func:`require_blockdiag_cp`).
 """
@@ -26,7 +30,7 @@ from transformers import PreTrainedModel
 
 from ..config import ATTN_IMPLEMENTATION
 
-__all__ = ["UnsupportedModel", "has_absolute_positions", "model_type", "packing_refusal", "refuse_bypassing_model",
+__all__ = ["UnsupportedModel", "has_absolute_positions", "loss_refusal", "model_type", "packing_refusal", "refuse_bypassing_model",
            "require_blockdiag_cp", "uses_blockdiag_cp"]
 
 #: Class-name patterns of token mixers other than attention (checked against every submodule).
@@ -107,6 +111,37 @@ def packing_refusal(model: torch.nn.Module) -> str | None:
                 "not from each packed document (and not from a context-parallel shard's offset); blockdiag_cp refuses "
                 "rows with more than one document for it")
     return None
+
+
+def loss_refusal(model: torch.nn.Module) -> str | None:
+    """Why ``model``'s own loss cannot serve the collator's targets, or ``None``.
+
+    transformers' ``ForCausalLMLoss`` (``self.loss_function``) reads ``shift_labels`` (the targets the
+    collator shifted on the full row, -100 at every document end and rank boundary) and
+    ``num_items_in_batch``. A causal LM whose ``forward`` takes ``labels`` but computes its loss
+    itself (e.g. ``WhisperForCausalLM``: a plain ``CrossEntropyLoss`` over its own shift of ``labels``)
+    ignores both, so it would predict across documents and normalise per shard.
+
+    Conservative, from the source: flagged only when the outermost model's ``forward`` takes
+    ``labels`` and its source (readable, decorators unwrapped) never mentions ``loss_function``. A
+    forward whose source cannot be read, or that takes no ``labels``, is not flagged.
+    """
+    forward = getattr(type(model), "forward", None)
+    if forward is None or not isinstance(model, PreTrainedModel):
+        return None
+    try:
+        if "labels" not in inspect.signature(forward).parameters:
+            return None
+        source = inspect.getsource(forward)
+    except (OSError, TypeError, ValueError):
+        return None
+    if "loss_function" in source:
+        return None
+    return (f"{model_type(model)}'s {type(model).__name__}.forward computes its loss itself instead of through "
+            "transformers' loss_function, so it ignores shift_labels (the collator's targets, -100 at every document "
+            "end and CP boundary) and num_items_in_batch, and would train another objective; pass no labels / "
+            "shift_labels to the model and compute the loss from its logits with the batch's shift_labels "
+            "(cross_entropy(logits, shift_labels, ignore_index=-100, reduction='sum') / num_items_in_batch)")
 
 
 def has_absolute_positions(model: torch.nn.Module) -> bool:

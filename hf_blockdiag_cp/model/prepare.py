@@ -13,7 +13,11 @@ model loaded with, or switched to, ``attn_implementation="blockdiag_cp"``), by
      (:func:`~.batch.context_position_ids`);
   2. *refuses* (models using ``blockdiag_cp``) what cannot be computed from the arguments as filled: packed
      rows for a model that mixes tokens outside attention (:func:`~.detect.packing_refusal`), a packed batch
-     without ``position_ids`` for a model with absolute position embeddings;
+     without ``position_ids`` for a model with absolute position embeddings, ``shift_labels`` (or packed
+     ``labels``) for a model whose own loss ignores them (:func:`~.detect.loss_refusal`); and records the
+     forward's ``cp_context`` (CP > 1) in the probe, so that an attention call the model did not hand it to
+     raises (:func:`check_context_reached`: layers that call attention without the model's keyword
+     arguments would attend within their own shard);
 - one forward **post-hook**: refuses a forward that carried packing information (``cp_context``,
   ``cu_seq_lens_*``, packed ``position_ids``) in which the attention function was never called.
 
@@ -40,9 +44,16 @@ from transformers import PreTrainedModel
 
 from ..compat import forward_hooks
 from .batch import arguments, check_batch, fill_position_ids, packing, positional_index
-from .detect import UnsupportedModel, has_absolute_positions, model_type, packing_refusal, uses_blockdiag_cp
+from .detect import (
+    UnsupportedModel,
+    has_absolute_positions,
+    loss_refusal,
+    model_type,
+    packing_refusal,
+    uses_blockdiag_cp,
+)
 
-__all__ = ["PROBE_ATTR", "ForwardProbe", "Preparation", "mark_attention_call", "package_hooks", "prepare_model",
+__all__ = ["PROBE_ATTR", "ForwardProbe", "Preparation", "check_context_reached", "mark_attention_call", "package_hooks", "prepare_model",
            "unprepare_model"]
 
 PROBE_ATTR = "_blockdiag_cp_probe"
@@ -60,6 +71,9 @@ class ForwardProbe:
         absolute_positions: the model adds learned/absolute position embeddings (``position_ids`` needed).
         attention_calls: calls of the ``"blockdiag_cp"`` attention function by this model's layers.
         starts: ``attention_calls`` at the start of the forward of each hooked module (by ``id``).
+        loss_refusal: why the model's own loss cannot take the collator's ``shift_labels``, or ``None``.
+        cp_context: the ``cp_context`` (CP > 1) of the forward in progress, set by the pre-hook and cleared by
+            the post-hook; every attention call inside that forward must receive it.
     """
 
     model_type: str
@@ -67,6 +81,8 @@ class ForwardProbe:
     absolute_positions: bool = False
     attention_calls: int = 0
     starts: dict[int, int] = field(default_factory=dict)
+    loss_refusal: str | None = None
+    cp_context: Any = None
 
 
 @dataclass(eq=False)
@@ -91,6 +107,26 @@ def mark_attention_call(module: torch.nn.Module) -> None:
         probe.attention_calls += 1
 
 
+def check_context_reached(module: torch.nn.Module, cp_context: Any) -> None:
+    """Refuse an attention call without the ``cp_context`` its model's forward was given (CP > 1).
+
+    A decoder layer that calls ``self_attn`` without the model's ``**kwargs`` (stablelm, nemotron) drops
+    the context: that layer would attend to this rank's keys only. The same on every rank (the models are
+    identical and a call without a context runs no collective), so every rank raises at the same layer
+    and none is left waiting in an exchange. One dict read, no tensor access.
+    """
+    if cp_context is not None:
+        return
+    probe = module.__dict__.get(PROBE_ATTR)
+    if probe is None or probe.cp_context is None:
+        return
+    raise UnsupportedModel(
+        f"{probe.model_type} was given a cp_context (CP size {probe.cp_context.cp_size}) but its "
+        f"{type(module).__name__} was called without it: its layers do not pass the model's keyword arguments to "
+        "attention, so each CP rank would attend to its own keys only; blockdiag_cp cannot run this model with "
+        "context parallelism (CP size 1 is exact)")
+
+
 def prepare_model(model: torch.nn.Module, *, strict: bool = False) -> torch.nn.Module:
     """Install (or refresh) the probe and the one ordered hook pair on ``model``; returns ``model``.
 
@@ -103,6 +139,7 @@ def prepare_model(model: torch.nn.Module, *, strict: bool = False) -> torch.nn.M
     probe.model_type = model_type(model)
     probe.refusal = packing_refusal(model)
     probe.absolute_positions = has_absolute_positions(model)
+    probe.loss_refusal = loss_refusal(model)
     for sub in model.modules():
         sub.__dict__[PROBE_ATTR] = probe
     if isinstance(model, PreTrainedModel) and uses_blockdiag_cp(model):  # its pair refuses for its nested models
@@ -160,6 +197,8 @@ def _pre_forward(module: torch.nn.Module, args: tuple,
             args, kwargs = filled
     if uses_blockdiag_cp(module):
         probe.starts[id(module)] = probe.attention_calls
+        ctx = kwargs.get("cp_context")
+        probe.cp_context = ctx if getattr(ctx, "cp_size", 1) > 1 else None
         _refuse(module, probe, args, kwargs)
     return filled
 
@@ -167,6 +206,8 @@ def _pre_forward(module: torch.nn.Module, args: tuple,
 def _refuse(module: torch.nn.Module, probe: ForwardProbe, args: tuple, kwargs: dict[str, Any]) -> None:
     """Raise :class:`UnsupportedModel` for a batch the model cannot compute exactly (reads tensor values only
     for models with a refusal or absolute positions)."""
+    if probe.loss_refusal is not None:
+        _refuse_loss(probe, arguments(module, args, kwargs))
     if probe.refusal is None and not probe.absolute_positions:
         return
     named = arguments(module, args, kwargs)
@@ -183,11 +224,24 @@ def _refuse(module: torch.nn.Module, probe: ForwardProbe, args: tuple, kwargs: d
             "hf_blockdiag_cp.guard_model(model) to have them supplied from the cp_context")
 
 
+def _refuse_loss(probe: ForwardProbe, named: dict[str, Any]) -> None:
+    """Refuse targets the model's own loss would ignore: ``shift_labels`` / ``num_items_in_batch``, or ``labels``
+    in a packed batch (its own shift would predict across documents)."""
+    given = [name for name in ("shift_labels", "num_items_in_batch") if named.get(name) is not None]
+    if not given and named.get("labels") is not None:
+        found = packing(named)
+        if found is not None:
+            given = [f"labels with {found}"]
+    if given:
+        raise UnsupportedModel(f"{probe.model_type} cannot take {', '.join(given)}: {probe.loss_refusal}")
+
+
 def _post_forward(module: torch.nn.Module, args: tuple, kwargs: dict[str, Any], output: Any) -> None:
     """Refuse a forward with packing information in which the attention function never ran."""
     probe: ForwardProbe | None = module.__dict__.get(PROBE_ATTR)
     if probe is None or not uses_blockdiag_cp(module):
         return
+    probe.cp_context = None
     start = probe.starts.pop(id(module), None)
     if start is None or probe.attention_calls != start:
         return

@@ -1,4 +1,5 @@
-"""Training on a (dp, cp) mesh: the mesh, data sharding over dp, loss normalisation, set-up checks.
+"""Training on a (dp, cp) mesh: the mesh, data sharding over dp, loss normalisation, set-up checks,
+parameter consistency across the CP group.
 
 ``CPTrainer`` is loaded on first use: importing ``transformers.trainer`` is most of the package's
 import time, and every spawned rank would pay it even when it never builds a Trainer.
@@ -11,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 from .chunked_loss import check_chunked_loss, chunked_causal_lm_loss
 from .checks import check_batch, check_collator, guard_model
+from .consistency import ParameterMismatchError, check_parameters_consistent
 from .data import DataParallelShard, dp_dataloader
 from .loss import global_num_items, normalize_num_items, reduce_loss_for_logging
 from .mesh import CPCoordinates, check_group_timeouts, cp_coordinates, init_device_mesh, ulysses_groups
@@ -27,9 +29,11 @@ __all__ = [
     "CPSFTTrainer",
     "CPTrainer",
     "DataParallelShard",
+    "ParameterMismatchError",
     "check_batch",
     "check_chunked_loss",
     "check_collator",
+    "check_parameters_consistent",
     "chunked_causal_lm_loss",
     "check_group_timeouts",
     "cp_coordinates",

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 from torch.distributed.device_mesh import DeviceMesh
 from torch.utils.data import DataLoader, Dataset, IterableDataset
-from transformers import Trainer
+from transformers import Trainer, TrainerCallback
 from transformers.utils import is_datasets_available
 
 from ..compat import accelerate_prepared, check_trainer_internals, forget_accelerate_prepared
@@ -33,6 +33,7 @@ from ..data import PackedDataset, PackingCollator
 from ..model import require_blockdiag_cp
 from .checks import check_collator, check_no_accelerate_cp, guard_model
 from .chunked_loss import DEFAULT_CHUNK_SIZE, check_chunked_loss, chunked_causal_lm_loss
+from .consistency import check_parameters_consistent
 from .data import dp_dataloader
 from .mesh import check_group_timeouts, cp_coordinates
 
@@ -110,15 +111,25 @@ class CPTrainer(Trainer):
     logits; ``chunked_loss_chunk_size`` tokens at a time). ``None`` (default): on where it is exact (the model's
     head is accepted, no ``compute_loss_func`` / label smoothing), else the model's own loss; ``True``: required
     (``NotImplementedError`` naming the cause otherwise); ``False``: the model's own loss.
+
+    ``parameter_check_every`` (default 100, 0 = never): under CP the parameters of the CP group are compared at
+    the first step and every that many optimizer steps, raising
+    :class:`~hf_blockdiag_cp.training.consistency.ParameterMismatchError` when they differ (cost: one pass over
+    the parameters and two small all-gathers per check).
     """
 
     #: What ``chunked_loss=None`` means: on where exact (a subclass whose own loss already chunks sets ``False``).
     _chunked_loss_by_default = True
 
     def __init__(self, *args: Any, mesh: DeviceMesh | None = None, chunked_loss: bool | None = None,
-                 chunked_loss_chunk_size: int = DEFAULT_CHUNK_SIZE, **kwargs: Any) -> None:
+                 chunked_loss_chunk_size: int = DEFAULT_CHUNK_SIZE, parameter_check_every: int = 100,
+                 **kwargs: Any) -> None:
         self.mesh = mesh
         self.chunked_loss, self.chunked_loss_chunk_size = chunked_loss, chunked_loss_chunk_size
+        if isinstance(parameter_check_every, bool) or not isinstance(parameter_check_every, int) \
+                or parameter_check_every < 0:
+            raise ValueError(f"parameter_check_every must be an int >= 0 (0 = never), got {parameter_check_every!r}")
+        self.parameter_check_every = parameter_check_every
         # Before the Trainer builds its Accelerator: on CPU accelerate refuses its own CP with a message that does
         # not point here, and a launcher flag it drops would otherwise go unnoticed.
         check_no_accelerate_cp(kwargs.get("args", args[1] if len(args) > 1 else None))
@@ -146,6 +157,8 @@ class CPTrainer(Trainer):
                              "mesh (batches are sampled per data-parallel group): use 'random' or 'sequential'")
         if coords.cp_size > 1:
             self._check_cp_arguments()
+            if self.parameter_check_every:
+                self.add_callback(ParameterConsistencyCallback(mesh, self.parameter_check_every))
         if mesh is None and self.args.world_size > 1:
             self._collate_on_every_process()
         guard_model(self.model)
@@ -332,3 +345,16 @@ class CPTrainer(Trainer):
     def call_model_init(self, trial: Any = None) -> torch.nn.Module:
         """Models built by ``model_init`` get the same fail-fast guard as the one given to ``__init__``."""
         return guard_model(super().call_model_init(trial))
+
+
+class ParameterConsistencyCallback(TrainerCallback):
+    """Compare the parameters of the CP group at the first step and every ``every`` optimizer steps
+    (:func:`~hf_blockdiag_cp.training.consistency.check_parameters_consistent`; its cost is documented there)."""
+
+    def __init__(self, mesh: DeviceMesh, every: int) -> None:
+        self.mesh, self.every = mesh, every
+
+    def on_step_begin(self, args: Any, state: Any, control: Any, model: torch.nn.Module | None = None,
+                      **kwargs: Any) -> None:
+        if model is not None and state.global_step % self.every == 0:
+            check_parameters_consistent(model, self.mesh, step=state.global_step)
