@@ -39,6 +39,37 @@ def _one_process_rows(model, examples):
     return torch.cat(logits).numpy(), torch.cat(labels).numpy(), torch.cat(doc_ids).numpy()
 
 
+def _sft_predict(mesh, tmp: str, preprocess) -> dict:
+    """``CPSFTTrainer.predict`` at cp=2 with ``preprocess_logits_for_metrics`` and, for the same packed rows, one
+    process's argmax ids and labels."""
+    import datasets
+    import numpy as np
+    import torch
+
+    import hf_blockdiag_cp as bd
+    from hf_blockdiag_cp.training.trl import CPSFTTrainer
+    from tests.training import test_trl_cp
+
+    model, tokenizer, examples = test_trl_cp._setup("text")
+    seen: list = []
+    trainer = CPSFTTrainer(model=model, args=test_trl_cp._sft_args(tmp), processing_class=tokenizer, mesh=mesh,
+                           train_dataset=datasets.Dataset.from_list(examples[:2]),
+                           eval_dataset=datasets.Dataset.from_list(examples), preprocess_logits_for_metrics=preprocess,
+                           compute_metrics=lambda p: seen.append((np.array(p.predictions), np.array(p.label_ids)))
+                           or {})
+    result = trainer.predict(trainer.eval_dataset)
+    collator = bd.PackingCollator(test_trl_cp.SEQ_LEN, pad_token_id=tokenizer.pad_token_id)
+    ids, labels = [], []
+    with torch.no_grad():
+        for row in trainer.eval_dataset.rows:
+            batch = collator([row])
+            ids.append(model(input_ids=batch["input_ids"], position_ids=batch["position_ids"],
+                             cp_context=batch["cp_context"], use_cache=False).logits.argmax(-1))
+            labels.append(batch["labels"])
+    return {"ids": result.predictions, "labels": result.label_ids, "metrics": seen.pop(),
+            "ref_ids": torch.cat(ids).numpy(), "ref_labels": torch.cat(labels).numpy()}
+
+
 def _predict_worker(rank: int, world: int, tmp: str) -> dict:
     import numpy as np
     import torch
@@ -83,6 +114,7 @@ def _predict_worker(rank: int, world: int, tmp: str) -> dict:
     except NotImplementedError as err:
         out["refusal"] = str(err)
 
+    out["sft"] = _sft_predict(mesh, tmp, lambda logits, labels: logits.argmax(-1))
     out["reference"] = _one_process_rows(model, examples)
     alone = tiny_model("llama", attn_implementation="sdpa")
     with torch.no_grad():
@@ -124,5 +156,12 @@ def test_predict_in_row_order_matches_one_process(tmp_path):
         # The exact token mean, also for the loss of predict().
         assert out["eval_loss"] == pytest.approx(_reference_eval_loss(), rel=1e-5)
         assert out["predict_loss"] == pytest.approx(out["eval_loss"], rel=1e-6)
+        # CPSFTTrainer (TRL's data preparation and loss, the same evaluation step).
+        sft = out["sft"]
+        assert sft["ids"].shape == sft["ref_ids"].shape and sft["ids"].shape[0] >= 2
+        np.testing.assert_array_equal(sft["ids"], sft["ref_ids"])
+        np.testing.assert_array_equal(sft["labels"], sft["ref_labels"])
+        np.testing.assert_array_equal(sft["metrics"][0], sft["ids"])
+        np.testing.assert_array_equal(sft["metrics"][1], sft["ref_labels"])
         assert "preprocess_logits_for_metrics" in out["refusal"] and "per-position" in out["refusal"]
     np.testing.assert_array_equal(results[0]["logits"], results[1]["logits"])
