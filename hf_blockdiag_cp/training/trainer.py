@@ -107,6 +107,12 @@ class CPTrainer(Trainer):
     :class:`~hf_blockdiag_cp.PackingCollator` without ``vocab_size`` gets the model's, so out-of-vocabulary
     ids raise in the collator, naming the example.
 
+    ``offload_activations``: run each training forward under ``torch.autograd.graph.save_on_cpu`` (pinned host
+    memory on CUDA): every tensor autograd saves for the backward lives in host memory until the backward needs it.
+    With ``activation_checkpointing`` that is what is saved outside the recomputed layers; their inputs are saved
+    only by reentrant checkpointing (``activation_checkpointing_kwargs={"use_reentrant": True}``), the
+    non-reentrant kind keeps them on the device itself. Exact either way (the values are copied, not changed).
+
     ``chunked_loss``: the training loss through :func:`~hf_blockdiag_cp.chunked_causal_lm_loss` (no ``[L, V]``
     logits; ``chunked_loss_chunk_size`` tokens at a time). ``None`` (default): on where it is exact (the model's
     head is accepted, no ``compute_loss_func`` / label smoothing), else the model's own loss; ``True``: required
@@ -117,8 +123,9 @@ class CPTrainer(Trainer):
     _chunked_loss_by_default = True
 
     def __init__(self, *args: Any, mesh: DeviceMesh | None = None, chunked_loss: bool | None = None,
-                 chunked_loss_chunk_size: int = DEFAULT_CHUNK_SIZE, **kwargs: Any) -> None:
-        self.mesh = mesh
+                 chunked_loss_chunk_size: int = DEFAULT_CHUNK_SIZE, offload_activations: bool = False,
+                 **kwargs: Any) -> None:
+        self.mesh, self.offload_activations = mesh, bool(offload_activations)
         self.chunked_loss, self.chunked_loss_chunk_size = chunked_loss, chunked_loss_chunk_size
         # Before the Trainer builds its Accelerator: on CPU accelerate refuses its own CP with a message that does
         # not point here, and a launcher flag it drops would otherwise go unnoticed.
@@ -319,6 +326,13 @@ class CPTrainer(Trainer):
         if self.args.world_size > 1 and self.model_wrapped is model and accelerate_prepared(model):
             forget_accelerate_prepared(self.accelerator, model)
         return super().train(*args, **kwargs)
+
+    def training_step(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+        """The stock step, under ``save_on_cpu`` with ``offload_activations`` (the backward inside the step unpacks)."""
+        if not self.offload_activations:
+            return super().training_step(*args, **kwargs)
+        with torch.autograd.graph.save_on_cpu(pin_memory=torch.cuda.is_available()):
+            return super().training_step(*args, **kwargs)
 
     def evaluation_loop(self, dataloader: DataLoader, description: str, prediction_loss_only: bool | None = None,
                         ignore_keys: list[str] | None = None, metric_key_prefix: str = "eval") -> Any:
