@@ -202,6 +202,9 @@ def add_common_args(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0, help="seed of the model, the adapters and the row order")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="parameter dtype")
     p.add_argument("--grad-checkpointing", action="store_true", help="activation checkpointing (recompute in backward)")
+    p.add_argument("--offload-activations", action="store_true",
+                   help="keep the tensors saved for the backward in host memory (torch.autograd.graph.save_on_cpu); "
+                        "with --grad-checkpointing, what is saved outside the recomputed layers")
     p.add_argument("--chunked-loss", default="auto", choices=["auto", "on", "off"],
                    help="the loss through bd.chunked_causal_lm_loss (no [L, V] logits): 'auto' where it is exact")
     p.add_argument("--mixed-precision", default="no", choices=["no", "bf16", "fp16"],

@@ -194,7 +194,8 @@ def main(argv: list[str] | None = None) -> dict:
         probe = StepProbe(keep_grads=args.check_parity)
         trainer = make_trainer_class()(model=model, args=sft_args, train_dataset=train, eval_dataset=evaluation,
                                        processing_class=tokenizer, callbacks=[probe], mesh=mesh, cp_config=config,
-                                       chunked_loss=chunked_loss_setting(args))
+                                       chunked_loss=chunked_loss_setting(args),
+                                       offload_activations=args.offload_activations)
     eval_loss = trainer.evaluate()["eval_loss"] if evaluation is not None else None  # before any update
     trainer.train()
 

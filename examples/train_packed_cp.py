@@ -11,6 +11,7 @@ over the whole step (see hf_blockdiag_cp.normalize_num_items).
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import logging
 import os
@@ -199,7 +200,9 @@ def main(argv: list[str] | None = None) -> dict:
             dist.all_reduce(tokens, group=mesh["dp"].get_group())  # real tokens of the whole step
         batch = bd.normalize_num_items(_to_device(batch, accelerator.device), mesh, device=accelerator.device)
         start = time.perf_counter()
-        with accelerator.autocast():  # a no-op unless --mixed-precision
+        offload = (torch.autograd.graph.save_on_cpu(pin_memory=torch.cuda.is_available())
+                   if args.offload_activations else contextlib.nullcontext())
+        with accelerator.autocast(), offload:  # autocast: a no-op unless --mixed-precision
             step_loss = bd.chunked_causal_lm_loss(model, batch) if chunked else model(**batch).loss
         accelerator.backward(step_loss)
         loss = bd.reduce_loss_for_logging(step_loss, mesh).item()

@@ -178,7 +178,8 @@ def main(argv: list[str] | None = None) -> dict:
         probe = StepProbe(keep_grads=args.check_parity)
         trainer = MeasuredCPTrainer(model=model, args=targs, train_dataset=dataset, data_collator=collator,
                                     callbacks=[probe], mesh=mesh, keep_first_step=args.check_parity,
-                                    chunked_loss=chunked_loss_setting(args))
+                                    chunked_loss=chunked_loss_setting(args),
+                                    offload_activations=args.offload_activations)
     trainer.train()
 
     losses, tokens_per_s, peaks, kvs, shards = measure_run(trainer, probe, world, coords, args.check_parity)

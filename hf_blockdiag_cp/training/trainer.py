@@ -36,6 +36,7 @@ from .chunked_loss import DEFAULT_CHUNK_SIZE, check_chunked_loss, chunked_causal
 from .consistency import check_parameters_consistent
 from .data import dp_dataloader
 from .mesh import check_group_timeouts, cp_coordinates
+from .predict import gather_over_dp, gather_row_order, mean_over_cp, preprocess_local
 
 __all__ = ["CPTrainer"]
 
@@ -107,6 +108,12 @@ class CPTrainer(Trainer):
     :class:`~hf_blockdiag_cp.PackingCollator` without ``vocab_size`` gets the model's, so out-of-vocabulary
     ids raise in the collator, naming the example.
 
+    ``offload_activations``: run each training forward under ``torch.autograd.graph.save_on_cpu`` (pinned host
+    memory on CUDA): every tensor autograd saves for the backward lives in host memory until the backward needs it.
+    With ``activation_checkpointing`` that is what is saved outside the recomputed layers; their inputs are saved
+    only by reentrant checkpointing (``activation_checkpointing_kwargs={"use_reentrant": True}``), the
+    non-reentrant kind keeps them on the device itself. Exact either way (the values are copied, not changed).
+
     ``chunked_loss``: the training loss through :func:`~hf_blockdiag_cp.chunked_causal_lm_loss` (no ``[L, V]``
     logits; ``chunked_loss_chunk_size`` tokens at a time). ``None`` (default): on where it is exact (the model's
     head is accepted, no ``compute_loss_func`` / label smoothing), else the model's own loss; ``True``: required
@@ -123,8 +130,8 @@ class CPTrainer(Trainer):
 
     def __init__(self, *args: Any, mesh: DeviceMesh | None = None, chunked_loss: bool | None = None,
                  chunked_loss_chunk_size: int = DEFAULT_CHUNK_SIZE, parameter_check_every: int = 100,
-                 **kwargs: Any) -> None:
-        self.mesh = mesh
+                 offload_activations: bool = False, **kwargs: Any) -> None:
+        self.mesh, self.offload_activations = mesh, bool(offload_activations)
         self.chunked_loss, self.chunked_loss_chunk_size = chunked_loss, chunked_loss_chunk_size
         if isinstance(parameter_check_every, bool) or not isinstance(parameter_check_every, int) \
                 or parameter_check_every < 0:
@@ -194,9 +201,6 @@ class CPTrainer(Trainer):
             raise ValueError(f"{name} is not supported under CP: it gets the rank-local, unshifted labels and "
                              "would shift them inside each shard (losing the target at every rank boundary); use "
                              "the model's own loss (it reads the collator's shift_labels)")
-        if self.compute_metrics is not None or self.preprocess_logits_for_metrics is not None:
-            raise ValueError("compute_metrics / preprocess_logits_for_metrics are not supported under CP: every rank "
-                             "holds 1/cp_size of each row's logits; evaluate the loss only (eval_loss is exact)")
         if args.parallelism_config is not None:
             raise ValueError("parallelism_config (accelerate's own TP/CP/SP) cannot be combined with "
                              "hf_blockdiag_cp's mesh: leave it None")
@@ -334,6 +338,73 @@ class CPTrainer(Trainer):
         if self.args.world_size > 1 and self.model_wrapped is model and accelerate_prepared(model):
             forget_accelerate_prepared(self.accelerator, model)
         return super().train(*args, **kwargs)
+
+    def training_step(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+        """The stock step, under ``save_on_cpu`` with ``offload_activations`` (the backward inside the step unpacks)."""
+        if not self.offload_activations:
+            return super().training_step(*args, **kwargs)
+        with torch.autograd.graph.save_on_cpu(pin_memory=torch.cuda.is_available()):
+            return super().training_step(*args, **kwargs)
+
+    def evaluation_loop(self, dataloader: DataLoader, description: str, prediction_loss_only: bool | None = None,
+                        ignore_keys: list[str] | None = None, metric_key_prefix: str = "eval") -> Any:
+        """The stock loop; under CP with predictions, every row in its own order and counted once (see predict.py).
+
+        :meth:`prediction_step` gathers each rank's shard over the CP group into row order (after
+        ``preprocess_logits_for_metrics``, which therefore runs on the shard), so the loop's own preprocessing is
+        switched off and its ``gather_function`` gathers over ``dp`` only.
+        """
+        loss_only = prediction_loss_only if prediction_loss_only is not None else self.args.prediction_loss_only
+        if self.mesh is None or cp_coordinates(self.mesh).cp_size == 1 or loss_only:
+            return super().evaluation_loop(dataloader, description, prediction_loss_only, ignore_keys,
+                                           metric_key_prefix)
+        if "inputs" in self.args.include_for_metrics:
+            raise ValueError("include_for_metrics=['inputs'] is not supported under CP: the loop reads each rank's "
+                             "shard of input_ids, not the row; use the labels or the dataset's rows")
+        preprocess = self.preprocess_logits_for_metrics
+        self._cp_predict, self.preprocess_logits_for_metrics = (preprocess,), None
+        self.gather_function = functools.partial(gather_over_dp, self.mesh)
+        try:
+            return super().evaluation_loop(dataloader, description, prediction_loss_only, ignore_keys,
+                                           metric_key_prefix)
+        finally:
+            self._cp_predict, self.preprocess_logits_for_metrics = None, preprocess
+            self.gather_function = self.accelerator.gather_for_metrics
+
+    def prediction_step(self, model: torch.nn.Module, inputs: dict[str, Any], prediction_loss_only: bool,
+                        ignore_keys: list[str] | None = None) -> tuple[torch.Tensor | None, Any, Any]:
+        """Under CP with predictions (inside :meth:`evaluation_loop`): ``(loss, outputs, labels)`` of the full rows.
+
+        Returns the CP group's mean loss (the same on its ranks; ``eval_loss`` stays the exact token mean), the
+        model's outputs except ``loss`` and ``ignore_keys`` (preprocessed on the shard) and the ``label_names``, each
+        ``[B, S, ...]`` in the row's own order: what one process running the row returns. Otherwise the stock step.
+        """
+        ctx = inputs.get("cp_context") if isinstance(inputs, Mapping) else None
+        if getattr(self, "_cp_predict", None) is None or prediction_loss_only or not isinstance(
+                ctx, BlockDiagCPContext) or ctx.cp_size == 1:
+            return super().prediction_step(model, inputs, prediction_loss_only, ignore_keys=ignore_keys)
+        (preprocess,) = self._cp_predict
+        group = self.mesh["cp"].get_group()
+        if ignore_keys is None:
+            ignore_keys = getattr(getattr(self.model, "config", None), "keys_to_ignore_at_inference", ["cache"])
+        inputs = self._prepare_inputs(inputs)
+        labels = tuple(inputs.get(name) for name in self.label_names)
+        has_labels = bool(labels) and all(label is not None for label in labels)
+        with torch.no_grad(), self.compute_loss_context_manager():
+            if has_labels:
+                num_items_in_batch = self._get_num_items_in_batch([inputs], self.args.device)
+                loss, outputs = self.compute_loss(model, inputs, return_outputs=True,
+                                                  num_items_in_batch=num_items_in_batch)
+                loss = mean_over_cp(loss.detach().mean(), group, ctx.cp_size)
+            else:
+                loss, outputs = None, model(**inputs)
+        items = outputs.items() if isinstance(outputs, Mapping) else enumerate(outputs[1:])
+        logits = tuple(v.detach() for k, v in items if k not in [*ignore_keys, "loss"] and v is not None)
+        logits = logits[0] if len(logits) == 1 else logits
+        labels = (labels[0] if len(labels) == 1 else labels) if has_labels else None
+        logits = preprocess_local(preprocess, logits, labels, ctx)
+        return (loss, gather_row_order(logits, ctx, group, "the model's outputs"),
+                gather_row_order(labels, ctx, group, "labels"))
 
     def get_total_train_batch_size(self, args: Any) -> int:
         """Rows per optimizer step: the ranks of a CP group share their rows, so only ``dp`` multiplies

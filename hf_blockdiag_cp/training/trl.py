@@ -98,8 +98,8 @@ class CPSFTTrainer(CPTrainer, SFTTrainer):
     ``model_init_kwargs={"attn_implementation": "blockdiag_cp"}``). ``data_collator`` may be a
     :class:`~hf_blockdiag_cp.PackingCollator` (or any collator of :class:`PackedRow` items that exposes its CP
     topology); by default one is built from ``max_length``, the tokenizer's pad token and the mesh. Every
-    :class:`~hf_blockdiag_cp.CPTrainer` check applies (``compute_metrics``, ``label_smoothing_factor``,
-    ``compute_loss_func`` and accelerate's own ``parallelism_config`` are refused under CP).
+    :class:`~hf_blockdiag_cp.CPTrainer` check applies (``label_smoothing_factor``, ``compute_loss_func`` and
+    accelerate's own ``parallelism_config`` are refused under CP; ``compute_metrics`` gets rows in order).
     """
 
     #: TRL's own loss already projects in chunks (its fused LM head, which also feeds its entropy / accuracy
@@ -210,7 +210,7 @@ class CPSFTTrainer(CPTrainer, SFTTrainer):
         Every rank returns ``W * S_r / N`` (``S_r`` its shard's loss sum, ``N`` the targets of this step on all
         ``W`` processes); the evaluation loop averages over processes: the exact token mean ``sum_r S_r / N``.
         """
-        if not prediction_loss_only:  # logits for compute_metrics: TRL's path (refused under CP)
+        if not prediction_loss_only:  # logits for compute_metrics: CPTrainer's step (rows in order under CP)
             return super().prediction_step(model, inputs, prediction_loss_only, ignore_keys=ignore_keys)
         inputs = self._prepare_inputs(inputs)
         num_items_in_batch = self._get_num_items_in_batch([inputs], self.args.device)
