@@ -80,9 +80,9 @@ def main() -> None:
     import torch.multiprocessing as mp
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--seq-len", type=int, default=4096)
-    parser.add_argument("--iters", type=int, default=3)
-    parser.add_argument("--cp-sizes", type=int, nargs="+", default=[2, 4])
+    parser.add_argument("--seq-len", type=int, default=4096, help="row length S (divisible by every P)")
+    parser.add_argument("--iters", type=int, default=3, help="timed fwd+bwd iterations per layout (median)")
+    parser.add_argument("--cp-sizes", type=int, nargs="+", default=[2, 4], help="CP group sizes P (one gloo run each)")
     args = parser.parse_args()
     print(f"## One layer fwd+bwd on gloo per layout (S={args.seq_len}, Hq={HEADS}, Hkv={KV_HEADS}, D={DIM}, bf16, "
           f"sdpa_doc, 1 thread per rank, median of {args.iters}, max over ranks)\n")
