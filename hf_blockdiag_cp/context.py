@@ -25,7 +25,7 @@ from .distributed.groups import GroupRef, group_to_ref, ref_to_group
 from .planning import PlanError, VarlenPlan, as_doc_ids, build_varlen_plan
 from .planning.exchange import ExchangePlan, plan_exchange
 from .planning.placement import Placement, make_placement
-from .planning.fingerprint import fingerprint, plan_fingerprint
+from .planning.fingerprint import fingerprint, plan_fingerprint, shard_checksum
 
 __all__ = ["BlockDiagCPContext"]
 
@@ -54,6 +54,10 @@ class BlockDiagCPContext:
         position_ids: ``[B, S]`` int64 CPU position ids of the full rows when known (the collators
             give them), else ``None``; :attr:`local_position_ids` is this rank's share, which
             :func:`~hf_blockdiag_cp.guard_model` supplies to a forward that lacks ``position_ids``.
+        shard_checksums: per CP rank, ``(input_ids, position_ids)`` checksums
+            (:func:`~hf_blockdiag_cp.planning.fingerprint.shard_checksum`) of the rows that rank's forward
+            must receive, ``-1`` where the collator did not give that tensor (``()`` on one rank); every
+            forward's agreement compares them with what the forward actually got.
 
     One attribute is not a field (not compared, not pickled, not carried by ``dataclasses.replace``):
     ``origin``, the context a device copy was made from by :meth:`to` (``None`` on the context the
@@ -76,6 +80,7 @@ class BlockDiagCPContext:
     window_plans: dict[int, tuple[VarlenPlan, ExchangePlan]] = field(default_factory=dict)
     position_ids: torch.Tensor | None = None
     plan_fingerprint: int = 0
+    shard_checksums: tuple[tuple[int, int], ...] = ()
     if TYPE_CHECKING:  # set by __post_init__ / to(), not a dataclass field
         origin: BlockDiagCPContext | None
 
@@ -158,7 +163,8 @@ class BlockDiagCPContext:
                                    placement_rows=placement.index, windows=[w for w, _ in planned],
                                    strategies=[str(ex.strategy) for _, ex in planned])
         return cls(row_offset=int(local_index[0]), local_index=local_index, plan=plan, exchange=exchange,
-                   placement=placement, window_plans=window_plans, plan_fingerprint=plan_fp, **common)
+                   placement=placement, window_plans=window_plans, plan_fingerprint=plan_fp,
+                   shard_checksums=_shard_checksums(placement, ids.shape, input_ids, positions), **common)
 
     def plans_for(self, window: int | None) -> tuple[VarlenPlan, ExchangePlan | None]:
         """The varlen and exchange plans of a layer with sliding ``window`` (the full ones if that
@@ -215,6 +221,20 @@ class BlockDiagCPContext:
         if batch_size != self.batch_size or local_len != self.local_len:
             raise PlanError(f"cp_context plans [B={self.batch_size}, L={self.local_len}] local rows but the attention "
                             f"layer got [B={batch_size}, L={local_len}]; was the batch built by this context's collator?")
+
+
+def _shard_checksums(placement: Placement, shape: torch.Size, input_ids: Any,
+                     positions: torch.Tensor | None) -> tuple[tuple[int, int], ...]:
+    """Per rank, the checksums of the ``input_ids`` / ``position_ids`` shard its forward must receive
+    (``-1``: not known); the forward agreement compares them with the tensors the forward got."""
+    ids = None
+    if input_ids is not None:
+        ids = torch.as_tensor(input_ids).detach().to("cpu", torch.int64)
+        ids = ids.expand(shape[0], -1) if ids.dim() == 1 else ids
+        if ids.shape != shape:
+            ids = None  # a shape the rows do not have: nothing to compare against
+    return tuple(tuple(-1 if full is None else int(shard_checksum(full[:, index])) for full in (ids, positions))
+                 for index in placement.index)
 
 
 def _check_group_size(group: Any, cp_size: int) -> None:

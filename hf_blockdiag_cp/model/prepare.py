@@ -14,6 +14,8 @@ model loaded with, or switched to, ``attn_implementation="blockdiag_cp"``), by
   2. *refuses* (models using ``blockdiag_cp``) what cannot be computed from the arguments as filled: packed
      rows for a model that mixes tokens outside attention (:func:`~.detect.packing_refusal`), a packed batch
      without ``position_ids`` for a model with absolute position embeddings;
+  3. *agrees* (a ``cp_context`` with ``cp_size > 1``, outermost prepared module only): one small collective
+     with the CP group about this forward (:func:`~.forward_agreement.agree_forward`);
 - one forward **post-hook**: refuses a forward that carried packing information (``cp_context``,
   ``cu_seq_lens_*``, packed ``position_ids``) in which the attention function was never called.
 
@@ -41,6 +43,7 @@ from transformers import PreTrainedModel
 from ..compat import forward_hooks
 from .batch import arguments, check_batch, fill_position_ids, packing, positional_index
 from .detect import UnsupportedModel, has_absolute_positions, model_type, packing_refusal, uses_blockdiag_cp
+from .forward_agreement import agree_forward
 
 __all__ = ["PROBE_ATTR", "ForwardProbe", "Preparation", "mark_attention_call", "package_hooks", "prepare_model",
            "unprepare_model"]
@@ -161,6 +164,12 @@ def _pre_forward(module: torch.nn.Module, args: tuple,
     if uses_blockdiag_cp(module):
         probe.starts[id(module)] = probe.attention_calls
         _refuse(module, probe, args, kwargs)
+        if not any(key != id(module) for key in probe.starts):  # the outermost prepared module of the forward
+            try:
+                agree_forward(module, arguments(module, args, kwargs))
+            except BaseException:
+                probe.starts.pop(id(module), None)
+                raise
     return filled
 
 
