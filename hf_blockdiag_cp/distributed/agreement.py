@@ -208,7 +208,8 @@ def agree_on_forward(fields: dict[str, int], checksums: Sequence[torch.Tensor | 
             if got >= 0 and want >= 0 and got != want:
                 problems.append(f"{name} on rank {r} (checksum {got:#x}, its cp_context expects {want:#x}): the "
                                 f"forward's {name} are not the shard the context was built for ({name} edited after "
-                                "collation, per-shard positions, or another batch's cp_context)")
+                                "collation, per-shard positions, no position_ids so that the model numbers the shard from 0 — "
+                                "guard_model supplies them —, or another batch's cp_context)")
     if problems:
         raise AgreementError("CP ranks disagree about this forward (checked before any K/V moves): "
                              + "; ".join(problems))

@@ -4,7 +4,8 @@ The per-step agreement (:mod:`hf_blockdiag_cp.distributed.agreement`, first laye
 contexts planned; this one compares what each rank's *forward* does with its context, before any layer
 runs: how many forwards it ran on that context, grad mode, training mode, gradient checkpointing, the
 K/V dtype (parameters and autocast), the attention config, and checksums of the ``input_ids`` /
-``position_ids`` the layers will read against the shard the collator fingerprinted. Exchange
+``position_ids`` the layers will read against the shard the collator fingerprinted (a forward without
+``position_ids`` is checked as HF models number it: ``0 .. L-1`` on every rank, wrong for packed rows). Exchange
 collectives pair by order, so a rank that runs one extra forward, or a backward that recomputes on one
 rank only, would otherwise exchange K/V with the wrong step of its peers.
 
@@ -94,8 +95,10 @@ def agree_forward(model: torch.nn.Module, named: dict[str, Any]) -> None:
         "head_dim": int(getattr(config, "head_dim", None) or (hidden // heads if heads else 0)),
         "hidden_size": hidden,
     }
-    checksums = [shard_checksum(t) if isinstance(t, torch.Tensor) else -1
-                 for t in (named.get(name) for name in FORWARD_TENSORS)]
+    tensors = [named.get(name) for name in FORWARD_TENSORS]
+    if tensors[1] is None:  # what HF models then use: every shard numbered from 0
+        tensors[1] = torch.arange(ctx.local_len, device=device).expand(ctx.batch_size, -1)
+    checksums = [shard_checksum(t) if isinstance(t, torch.Tensor) else -1 for t in tensors]
     expected = ctx.shard_checksums[ctx.cp_rank] if ctx.shard_checksums else (-1,) * len(FORWARD_TENSORS)
     agree_on_forward(fields, checksums, expected, group=ctx.group, rank=ctx.cp_rank, size=ctx.cp_size,
                      timeout=datetime.timedelta(seconds=ctx.config.collective_timeout_s), device=device)

@@ -6,7 +6,8 @@ within ``T`` + 10 s — the per-forward agreement's ``AgreementError`` naming th
 - an extra forward on one rank with ``kv_exchange="a2a"``, at CP = 2 and CP = 4;
 - gradient checkpointing on one rank only (a2a);
 - bf16 autocast on one rank only (halo, eval);
-- ``input_ids`` edited after collation; ``position_ids`` edited (per-shard positions, +7);
+- ``input_ids`` edited after collation; ``position_ids`` edited (per-shard positions, +7) or missing
+  without ``guard_model`` (the model would number every shard from 0);
 - the same ``cp_context`` re-used for the next step on one rank (allgather and a2a).
 
 And the legitimate case: gradient checkpointing on every rank stays exact at CP = 2 for every exchange and
@@ -99,6 +100,12 @@ def _positions_plus_seven(rank, world, mesh, config):
     harness._step(harness._model(), ctx, ids, pos + 7 if rank == FAULTY else pos)
 
 
+def _positions_missing(rank, world, mesh, config):
+    """No position_ids and no guard_model: the model would number every shard from 0."""
+    ctx, ids, _ = _build(rank, world, mesh["cp"].get_group(), config)
+    harness._model()(ids, cp_context=ctx, use_cache=False).logits.float().square().mean().backward()
+
+
 def _reused_context(rank, world, mesh, config, *, exchange: str):
     """Step 2: the faulty rank feeds the new batch's tensors with step 1's context."""
     group = mesh["cp"].get_group()
@@ -125,6 +132,7 @@ FORWARD = {
     "input_ids_edited": _input_ids_edited,
     "per_shard_positions": _per_shard_positions,
     "positions_plus_seven": _positions_plus_seven,
+    "positions_missing": _positions_missing,
     "reused_context_allgather": _reused_context_allgather,
     "reused_context_a2a": _reused_context_a2a,
 }
@@ -195,6 +203,14 @@ def test_autocast_on_one_rank_only(forward_faults):
 def test_batch_tensors_edited_after_collation(forward_faults, scenario, fragment):
     _every_rank_refuses(forward_faults[scenario], "AgreementError", fragment)
     assert "rank 0 (checksum" not in forward_faults[scenario][0][2]  # rank 0's shard is the right one
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_missing_position_ids_without_guard_model(forward_faults):
+    # Both shards start mid-numbering at CP=2 (rank 0 holds two documents): both are named.
+    _every_rank_refuses(forward_faults["positions_missing"], "AgreementError", "position_ids on rank 0 (checksum")
+    assert "position_ids on rank 1 (checksum" in forward_faults["positions_missing"][0][2]
 
 
 @pytest.mark.slow
