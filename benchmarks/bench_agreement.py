@@ -7,7 +7,8 @@ Spawns ``--cp`` gloo ranks on this machine. Each rank builds a tiny Llama (``tes
   pre-hook adds to every forward given a ``cp_context``: the counter, the forward's facts, the
   checksums of ``input_ids`` / ``position_ids`` and one ``all_gather`` of a 17-entry int64 row);
 - ``step``: a whole training step (forward with the agreement, backward) on a fresh context each time;
-- ``step without``: the same with the agreement replaced by a no-op (A/B).
+- ``step without``: the same with the agreement replaced by a no-op (A/B);
+- for scale: the agreement's host part alone (collective stubbed) and a bare ``all_gather`` of its row.
 
 Medians over ``--steps`` repetitions after ``--warmup``; rank 0 prints one line per measurement.
 
@@ -70,6 +71,10 @@ def _worker(rank: int, args: argparse.Namespace, port: int) -> None:
     ctx, local_ids, local_pos = context()
     named = {"input_ids": local_ids, "position_ids": local_pos, "cp_context": ctx}
     agreement = timed(lambda: forward_agreement.agree_forward(model, named), args.steps * 4)
+    with mock.patch.object(forward_agreement, "agree_on_forward", lambda *a, **k: None):
+        local = timed(lambda: forward_agreement.agree_forward(model, named), args.steps * 4)
+    row, table = torch.zeros(17, dtype=torch.int64), torch.zeros(17 * args.cp, dtype=torch.int64)
+    bare = timed(lambda: dist.all_gather_into_tensor(table, row), args.steps * 4)
 
     def step():
         ctx, local_ids, local_pos = context()
@@ -83,7 +88,8 @@ def _worker(rank: int, args: argparse.Namespace, port: int) -> None:
     if rank == 0:
         print(f"CP={args.cp} gloo, tiny Llama ({args.layers} layers), S={args.seq_len}, kv_exchange={args.kv_exchange}, "
               f"medians of {args.steps} (agreement: {args.steps * 4})")
-        print(f"agreement per forward: {agreement * 1e6:8.0f} us")
+        print(f"agreement per forward: {agreement * 1e6:8.0f} us  (host part without the collective: "
+              f"{local * 1e6:.0f} us; a bare all_gather of the row: {bare * 1e6:.0f} us)")
         print(f"step (fwd+bwd):        {with_agreement * 1e6:8.0f} us  (agreement = {100 * agreement / with_agreement:.1f}%)")
         print(f"step without it:       {without * 1e6:8.0f} us  (A/B difference {1e6 * (with_agreement - without):.0f} us)")
     dist.destroy_process_group()

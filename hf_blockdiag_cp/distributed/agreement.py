@@ -203,13 +203,15 @@ def agree_on_forward(fields: dict[str, int], checksums: Sequence[torch.Tensor | 
             problems.append(f"{name} ({quoted}): {FORWARD_FIELDS[name]}")
     base = 3 + len(FORWARD_FIELDS)
     for j, name in enumerate(FORWARD_TENSORS):
-        for r, values in enumerate(rows):
-            got, want = values[base + 2 * j], values[base + 2 * j + 1]
-            if got >= 0 and want >= 0 and got != want:
-                problems.append(f"{name} on rank {r} (checksum {got:#x}, its cp_context expects {want:#x}): the "
-                                f"forward's {name} are not the shard the context was built for ({name} edited after "
-                                "collation, per-shard positions, no position_ids so that the model numbers the shard from 0 — "
-                                "guard_model supplies them —, or another batch's cp_context)")
+        wrong = [f"rank {r} (checksum {values[base + 2 * j]:#x}, its cp_context expects {values[base + 2 * j + 1]:#x})"
+                 for r, values in enumerate(rows)
+                 if min(values[base + 2 * j], values[base + 2 * j + 1]) >= 0
+                 and values[base + 2 * j] != values[base + 2 * j + 1]]
+        if wrong:
+            positions = ("per-shard positions, no position_ids so that the model numbers the shard from 0 "
+                         "(guard_model supplies them), " if name == "position_ids" else "")
+            problems.append(f"{name} on {', '.join(wrong)}: the forward's {name} are not the shard the context was "
+                            f"built for ({name} edited after collation, {positions}or another batch's cp_context)")
     if problems:
         raise AgreementError("CP ranks disagree about this forward (checked before any K/V moves): "
                              + "; ".join(problems))

@@ -44,6 +44,19 @@ class _Forwards:
 _FORWARDS: weakref.WeakKeyDictionary[BlockDiagCPContext, _Forwards] = weakref.WeakKeyDictionary()
 
 
+#: Per model, its modules that have a ``gradient_checkpointing`` flag (found once: walking every module
+#: on every forward costs more than the collective); this module's second cache.
+_FLAGGED: weakref.WeakKeyDictionary[torch.nn.Module, tuple[torch.nn.Module, ...]] = weakref.WeakKeyDictionary()
+
+
+def _checkpointing(model: torch.nn.Module) -> bool:
+    """Whether some layer of ``model`` has gradient checkpointing on (the flags are read every forward)."""
+    flagged = _FLAGGED.get(model)
+    if flagged is None:
+        flagged = _FLAGGED[model] = tuple(m for m in model.modules() if hasattr(m, "gradient_checkpointing"))
+    return any(getattr(m, "gradient_checkpointing", False) is True for m in flagged)
+
+
 def forward_count(ctx: BlockDiagCPContext) -> int:
     """How many model forwards this rank ran on ``ctx`` (and its device copies)."""
     found = _FORWARDS.get(ctx if ctx.origin is None else ctx.origin)
@@ -86,8 +99,7 @@ def agree_forward(model: torch.nn.Module, named: dict[str, Any]) -> None:
         "grad_enabled": int(grad),
         "training": int(model.training),
         # What HF layers test before recomputing (GradientCheckpointingLayer): flag, training, grad mode.
-        "checkpointing": int(model.training and grad and any(
-            getattr(m, "gradient_checkpointing", False) is True for m in model.modules())),
+        "checkpointing": int(model.training and grad and _checkpointing(model)),
         "kv_dtype": dtype_code(dtype),
         "autocast": int(autocast),
         "num_attention_heads": heads,
