@@ -135,7 +135,7 @@ FORWARD_FIELDS: dict[str, str] = {
     "head_dim": "the ranks' model configs differ",
     "hidden_size": "the ranks' model configs differ",
 }
-#: The checked batch tensors, in row order (each: this forward's checksum, then its context's).
+#: The checked batch tensors, in row order (their expected checksums, then the forward's).
 FORWARD_TENSORS: tuple[str, ...] = ("input_ids", "position_ids")
 #: First entry of every forward agreement row: a row that lacks it was paired with another collective.
 _FORWARD_MAGIC = 0x6264_6370_6677  # "bdcpfw"
@@ -175,10 +175,10 @@ def agree_on_forward(fields: dict[str, int], checksums: Sequence[torch.Tensor | 
     check_usable(group, what, rank)
     on_cpu = dist.get_backend(group) != "nccl"
     where = torch.device("cpu") if on_cpu else device
-    head = torch.tensor([_FORWARD_MAGIC, rank, size, *(fields[name] for name in FORWARD_FIELDS)], dtype=torch.int64)
+    host = torch.tensor([_FORWARD_MAGIC, rank, size, *(fields[name] for name in FORWARD_FIELDS), *expected],
+                        dtype=torch.int64)
     sums = [torch.as_tensor(c, dtype=torch.int64).reshape(1).to(where) for c in checksums]
-    paired = [t for pair in zip(sums, (torch.tensor([e], dtype=torch.int64).to(where) for e in expected)) for t in pair]
-    row = torch.cat([head.to(where), *paired])
+    row = torch.cat([host.to(where), *sums])  # [tag, rank, size, fields..., expected..., checksums...]
     width = row.numel()
     group_size = dist.get_world_size(group)
     table = row.new_empty(group_size * width)
@@ -203,10 +203,9 @@ def agree_on_forward(fields: dict[str, int], checksums: Sequence[torch.Tensor | 
             problems.append(f"{name} ({quoted}): {FORWARD_FIELDS[name]}")
     base = 3 + len(FORWARD_FIELDS)
     for j, name in enumerate(FORWARD_TENSORS):
-        wrong = [f"rank {r} (checksum {values[base + 2 * j]:#x}, its cp_context expects {values[base + 2 * j + 1]:#x})"
-                 for r, values in enumerate(rows)
-                 if min(values[base + 2 * j], values[base + 2 * j + 1]) >= 0
-                 and values[base + 2 * j] != values[base + 2 * j + 1]]
+        pairs = [(r, values[base + len(FORWARD_TENSORS) + j], values[base + j]) for r, values in enumerate(rows)]
+        wrong = [f"rank {r} (checksum {got:#x}, its cp_context expects {want:#x})"
+                 for r, got, want in pairs if min(got, want) >= 0 and got != want]
         if wrong:
             positions = ("per-shard positions, no position_ids so that the model numbers the shard from 0 "
                          "(guard_model supplies them), " if name == "position_ids" else "")
