@@ -26,7 +26,7 @@ from .planning import PlanError, VarlenPlan, as_doc_ids, build_varlen_plan
 from .planning.exchange import ExchangePlan, plan_exchange
 from .planning.layout import HeadShape, LayoutPlan, plan_layout
 from .planning.placement import Placement, make_placement
-from .planning.fingerprint import fingerprint, plan_fingerprint
+from .planning.fingerprint import fingerprint, plan_fingerprint, shard_checksum
 
 __all__ = ["BlockDiagCPContext"]
 
@@ -62,6 +62,10 @@ class BlockDiagCPContext:
             after the head all-to-all, and the ``c``-rank exchange between groups (run as rank ``cp_rank // u``).
         head_group / seq_group: the process groups of the ``u`` consecutive CP ranks of this rank and of
             the ``c`` ranks of equal ``cp_rank % u`` (``None`` unless ``u > 1``).
+        shard_checksums: per CP rank, ``(input_ids, position_ids)`` checksums
+            (:func:`~hf_blockdiag_cp.planning.fingerprint.shard_checksum`) of the rows that rank's forward
+            must receive, ``-1`` where the collator did not give that tensor (``()`` on one rank); every
+            forward's agreement compares them with what the forward actually got.
 
     One attribute is not a field (not compared, not pickled, not carried by ``dataclasses.replace``):
     ``origin``, the context a device copy was made from by :meth:`to` (``None`` on the context the
@@ -87,6 +91,7 @@ class BlockDiagCPContext:
     layout: LayoutPlan | None = None
     head_group: Any = None
     seq_group: Any = None
+    shard_checksums: tuple[tuple[int, int], ...] = ()
     if TYPE_CHECKING:  # set by __post_init__ / to(), not a dataclass field
         origin: BlockDiagCPContext | None
 
@@ -157,7 +162,7 @@ class BlockDiagCPContext:
             layout = _plan_layout(ids, cp_size, config, placement, sliding_windows, heads)
             if layout.ulysses_size > 1:
                 return _layout_context(cls, layout, ids, cp_rank, ulysses_groups, windows, common,
-                                       placement or config.placement)
+                                       placement or config.placement, input_ids)
             placement = layout.placement  # auto chose u = 1: today's layout on the same placement
         if not isinstance(placement, Placement):
             placement = make_placement(ids[0], cp_size, placement or config.placement,
@@ -180,7 +185,8 @@ class BlockDiagCPContext:
                                    placement_rows=placement.index, windows=[w for w, _ in planned],
                                    strategies=[str(ex.strategy) for _, ex in planned])
         return cls(row_offset=int(local_index[0]), local_index=local_index, plan=plan, exchange=exchange,
-                   placement=placement, window_plans=window_plans, plan_fingerprint=plan_fp, layout=layout, **common)
+                   placement=placement, window_plans=window_plans, plan_fingerprint=plan_fp, layout=layout,
+                   shard_checksums=_shard_checksums(placement, ids.shape, input_ids, positions), **common)
 
     @property
     def ulysses_size(self) -> int:
@@ -245,6 +251,20 @@ class BlockDiagCPContext:
                             f"layer got [B={batch_size}, L={local_len}]; was the batch built by this context's collator?")
 
 
+def _shard_checksums(placement: Placement, shape: torch.Size, input_ids: Any,
+                     positions: torch.Tensor | None) -> tuple[tuple[int, int], ...]:
+    """Per rank, the checksums of the ``input_ids`` / ``position_ids`` shard its forward must receive
+    (``-1``: not known); the forward agreement compares them with the tensors the forward got."""
+    ids = None
+    if input_ids is not None:
+        ids = torch.as_tensor(input_ids).detach().to("cpu", torch.int64)
+        ids = ids.expand(shape[0], -1) if ids.dim() == 1 else ids
+        if ids.shape != shape:
+            ids = None  # a shape the rows do not have: nothing to compare against
+    return tuple(tuple(-1 if full is None else int(shard_checksum(full[:, index])) for full in (ids, positions))
+                 for index in placement.index)
+
+
 def _check_group_size(group: Any, cp_size: int) -> None:
     """A live process group must have ``cp_size`` ranks (a group only named, or none, is checked by the
     step's rank agreement once it is attached)."""
@@ -276,7 +296,7 @@ def _plan_layout(ids: torch.Tensor, cp_size: int, config: BlockDiagCPConfig, pla
 
 def _layout_context(cls: type[BlockDiagCPContext], layout: LayoutPlan, ids: torch.Tensor, cp_rank: int,
                     ulysses_groups: Any, windows: list[int], common: dict[str, Any],
-                    placement_kind: str) -> BlockDiagCPContext:
+                    placement_kind: str, input_ids: Any) -> BlockDiagCPContext:
     """Rank ``cp_rank``'s context under a ``u > 1`` layout: its sequence group's plans (``u * L`` query rows)."""
     u, c = layout.ulysses_size, layout.seq_groups
     if ulysses_groups is None:
@@ -307,4 +327,5 @@ def _layout_context(cls: type[BlockDiagCPContext], layout: LayoutPlan, ids: torc
                                strategies=[str(ex.strategy) for _, ex in planned], ulysses_size=u, layout=key)
     return cls(row_offset=int(local_index[0]), local_index=local_index, plan=plan, exchange=exchange,
                placement=layout.placement, window_plans=window_plans, plan_fingerprint=plan_fp, layout=layout,
-               head_group=head_group, seq_group=seq_group, **common)
+               head_group=head_group, seq_group=seq_group,
+               shard_checksums=_shard_checksums(layout.placement, ids.shape, input_ids, common["position_ids"]), **common)

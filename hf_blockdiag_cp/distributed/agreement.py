@@ -21,9 +21,9 @@ import torch
 import torch.distributed as dist
 
 from ..planning.fingerprint import PLAN_FIELDS, describe_plan_field
-from .exchange import all_gather_single, check_usable, wait
+from .exchange import CollectiveError, all_gather_single, check_usable, wait
 
-__all__ = ["AgreementError", "agree_on_backends"]
+__all__ = ["FORWARD_FIELDS", "AgreementError", "agree_on_backends", "agree_on_forward"]
 
 
 class AgreementError(RuntimeError):
@@ -70,13 +70,7 @@ def agree_on_backends(local: frozenset[str], universe: Sequence[str], *, data_fi
     work = all_gather_single(table, row_dev, group=group, async_op=True)
     wait(work, what, rank, timeout, group=group)
     rows = (table if on_cpu else table.cpu()).view(group_size, width).tolist()  # once per step, on the host
-    sizes = [r[4] for r in rows]
-    ranks = [r[3] for r in rows]
-    if sizes != [group_size] * group_size or ranks != list(range(group_size)):
-        raise AgreementError(
-            f"the CP group has {group_size} ranks, but the contexts of its ranks say cp_size={sizes}, "
-            f"cp_rank={ranks}; build the collator / context with group=mesh['cp'] (or cp_size={group_size} "
-            "and each rank's own cp_rank)")
+    _check_topology([r[3] for r in rows], [r[4] for r in rows], group_size)
     data = [r[0] for r in rows]
     if len(set(data)) != 1:
         raise AgreementError(
@@ -87,6 +81,15 @@ def agree_on_backends(local: frozenset[str], universe: Sequence[str], *, data_fi
     if len(set(plans)) != 1:
         raise AgreementError(_plan_mismatch(plans, [r[5:] for r in rows]))
     return _names(functools.reduce(operator.and_, (r[2] for r in rows)), universe)
+
+
+def _check_topology(ranks: list[int], sizes: list[int], group_size: int) -> None:
+    """Every rank's context must say where it sits in the group."""
+    if sizes != [group_size] * group_size or ranks != list(range(group_size)):
+        raise AgreementError(
+            f"the CP group has {group_size} ranks, but the contexts of its ranks say cp_size={sizes}, "
+            f"cp_rank={ranks}; build the collator / context with group=mesh['cp'] (or cp_size={group_size} "
+            "and each rank's own cp_rank)")
 
 
 #: The plan fields users set (the rest are derived from them and the data).
@@ -109,3 +112,105 @@ def _plan_mismatch(plans: list[int], fields: list[list[int]]) -> str:
     return (f"CP ranks planned different K/V exchanges this step: their contexts differ in {'; '.join(parts)}; every "
             "rank of a CP group must build its context with the same BlockDiagCPConfig (HF_BLOCKDIAG_CP_* environment "
             "variables included), placement and sliding windows")
+
+
+# ---- per-forward agreement -------------------------------------------------------------------------------
+
+#: What every CP rank's forward must do alike, in the order the forward agreement exchanges it, with the
+#: likely cause of a difference.
+FORWARD_FIELDS: dict[str, str] = {
+    "forward": "the count of forwards run on this cp_context differs: a rank ran an extra forward (a debug or "
+               "evaluation forward, a manual recompute) or skipped one, or re-used the cp_context of an earlier "
+               "step; every forward on a context must run on every CP rank, and each step needs the context its "
+               "collator built",
+    "grad_enabled": "torch.no_grad() / inference_mode() is active on some ranks only",
+    "training": "model.train() / model.eval() differs between the ranks",
+    "checkpointing": "gradient checkpointing is on for some ranks only (their backward would recompute and "
+                     "exchange K/V again); enable it on every rank or on none",
+    "kv_dtype": "the K/V dtype differs (autocast on some ranks only, or models loaded in different dtypes): "
+                "K/V rows of different dtypes cannot be exchanged",
+    "autocast": "autocast is enabled on some ranks only",
+    "num_attention_heads": "the ranks' model configs differ",
+    "num_key_value_heads": "the ranks' model configs differ",
+    "head_dim": "the ranks' model configs differ",
+    "hidden_size": "the ranks' model configs differ",
+}
+#: The checked batch tensors, in row order (their expected checksums, then the forward's).
+FORWARD_TENSORS: tuple[str, ...] = ("input_ids", "position_ids")
+#: First entry of every forward agreement row: a row that lacks it was paired with another collective.
+_FORWARD_MAGIC = 0x6264_6370_6677  # "bdcpfw"
+DTYPES: tuple[torch.dtype, ...] = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+
+
+def dtype_code(dtype: torch.dtype) -> int:
+    """``dtype`` as a small int every rank encodes alike (for the forward agreement)."""
+    return DTYPES.index(dtype) if dtype in DTYPES else 100 + len(str(dtype))
+
+
+def _describe(name: str, value: int) -> str:
+    if name == "kv_dtype":
+        return str(DTYPES[value]).removeprefix("torch.") if 0 <= value < len(DTYPES) else f"dtype code {value}"
+    if name in ("grad_enabled", "training", "checkpointing", "autocast"):
+        return "on" if value else "off"
+    return str(value)
+
+
+def agree_on_forward(fields: dict[str, int], checksums: Sequence[torch.Tensor | int], expected: Sequence[int], *,
+                     group, rank: int, size: int, timeout: datetime.timedelta, device: torch.device) -> None:
+    """One small collective before a forward's first K/V exchange; raises :class:`AgreementError` on every
+    rank alike when the ranks' forwards differ.
+
+    Args:
+        fields: this forward's :data:`FORWARD_FIELDS` (all of them, as ints).
+        checksums: per :data:`FORWARD_TENSORS`, the checksum of the tensor this forward received (a 0-d
+            int64 tensor on its device, computed there, or ``-1``: not given).
+        expected: per :data:`FORWARD_TENSORS`, what this rank's context says it must receive (``-1``: unknown).
+        group / rank / size / timeout / device: as for :func:`agree_on_backends`.
+
+    Each rank sends its own checksums with its own context's expectation, so every rank applies the same
+    rule to the same table. On gloo the row (checksums included) is read to the host before sending; on
+    NCCL the row goes to ``device`` and the table comes back once per forward.
+    """
+    what = "blockdiag_cp forward agreement"
+    check_usable(group, what, rank)
+    on_cpu = dist.get_backend(group) != "nccl"
+    where = torch.device("cpu") if on_cpu else device
+    host = torch.tensor([_FORWARD_MAGIC, rank, size, *(fields[name] for name in FORWARD_FIELDS), *expected],
+                        dtype=torch.int64)
+    sums = [torch.as_tensor(c, dtype=torch.int64).reshape(1).to(where) for c in checksums]
+    row = torch.cat([host.to(where), *sums])  # [tag, rank, size, fields..., expected..., checksums...]
+    width = row.numel()
+    group_size = dist.get_world_size(group)
+    table = row.new_empty(group_size * width)
+    work = all_gather_single(table, row, group=group, async_op=True)
+    try:
+        wait(work, what, rank, timeout, group=group)
+    except CollectiveError as err:  # a peer inside another collective (e.g. its backward) ran fewer forwards
+        raise CollectiveError(f"{err} — if no peer failed, the ranks ran different forwards: "
+                              f"{FORWARD_FIELDS['forward']}") from err
+    rows = (table if on_cpu else table.cpu()).view(group_size, width).tolist()  # once per forward
+    strangers = [r for r, values in enumerate(rows) if values[0] != _FORWARD_MAGIC]
+    if strangers:
+        raise AgreementError(
+            f"CP rank {rank}: the forward agreement received another collective's message from rank(s) {strangers}: "
+            f"the ranks' collectives are out of order; {FORWARD_FIELDS['forward']}")
+    _check_topology([r[1] for r in rows], [r[2] for r in rows], group_size)
+    problems = []
+    for i, name in enumerate(FORWARD_FIELDS, start=3):
+        values = [r[i] for r in rows]
+        if len(set(values)) > 1:
+            quoted = ", ".join(f"rank {r}: {_describe(name, v)}" for r, v in enumerate(values))
+            problems.append(f"{name} ({quoted}): {FORWARD_FIELDS[name]}")
+    base = 3 + len(FORWARD_FIELDS)
+    for j, name in enumerate(FORWARD_TENSORS):
+        pairs = [(r, values[base + len(FORWARD_TENSORS) + j], values[base + j]) for r, values in enumerate(rows)]
+        wrong = [f"rank {r} (checksum {got:#x}, its cp_context expects {want:#x})"
+                 for r, got, want in pairs if min(got, want) >= 0 and got != want]
+        if wrong:
+            positions = ("per-shard positions, no position_ids so that the model numbers the shard from 0 "
+                         "(guard_model supplies them), " if name == "position_ids" else "")
+            problems.append(f"{name} on {', '.join(wrong)}: the forward's {name} are not the shard the context was "
+                            f"built for ({name} edited after collation, {positions}or another batch's cp_context)")
+    if problems:
+        raise AgreementError("CP ranks disagree about this forward (checked before any K/V moves): "
+                             + "; ".join(problems))

@@ -18,6 +18,8 @@ model loaded with, or switched to, ``attn_implementation="blockdiag_cp"``), by
      forward's ``cp_context`` (CP > 1) in the probe, so that an attention call the model did not hand it to
      raises (:func:`check_context_reached`: layers that call attention without the model's keyword
      arguments would attend within their own shard);
+  3. *agrees* (a ``cp_context`` with ``cp_size > 1``, outermost prepared module only): one small collective
+     with the CP group about this forward (:func:`~.forward_agreement.agree_forward`);
 - one forward **post-hook**: refuses a forward that carried packing information (``cp_context``,
   ``cu_seq_lens_*``, packed ``position_ids``) in which the attention function was never called.
 
@@ -52,6 +54,7 @@ from .detect import (
     packing_refusal,
     uses_blockdiag_cp,
 )
+from .forward_agreement import agree_forward
 
 __all__ = ["PROBE_ATTR", "ForwardProbe", "Preparation", "check_context_reached", "mark_attention_call", "package_hooks", "prepare_model",
            "unprepare_model"]
@@ -200,6 +203,12 @@ def _pre_forward(module: torch.nn.Module, args: tuple,
         ctx = kwargs.get("cp_context")
         probe.cp_context = ctx if getattr(ctx, "cp_size", 1) > 1 else None
         _refuse(module, probe, args, kwargs)
+        if not any(key != id(module) for key in probe.starts):  # the outermost prepared module of the forward
+            try:
+                agree_forward(module, arguments(module, args, kwargs))
+            except BaseException:
+                probe.starts.pop(id(module), None)
+                raise
     return filled
 
 

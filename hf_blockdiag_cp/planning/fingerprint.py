@@ -10,7 +10,7 @@ import torch
 
 from ..config import BACKENDS, KV_EXCHANGES, PLACEMENTS, BlockDiagCPConfig
 
-__all__ = ["PLAN_FIELDS", "PlanFingerprint", "describe_plan_field", "fingerprint", "plan_fingerprint"]
+__all__ = ["PLAN_FIELDS", "PlanFingerprint", "describe_plan_field", "fingerprint", "plan_fingerprint", "shard_checksum"]
 
 
 def fingerprint(*parts: bytes) -> int:
@@ -89,3 +89,21 @@ def describe_plan_field(name: str, value: int) -> str:
             return "n/a (placement not balanced)"
         return f"{struct.unpack('<d', struct.pack('<q', value))[0]:g}"
     return f"hash {value:#x}"
+
+
+#: Keeps a checksum non-negative (``-1`` means "not known" in the forward agreement).
+_CHECKSUM_MASK = (1 << 62) - 1
+
+
+def shard_checksum(values: torch.Tensor) -> torch.Tensor:
+    """A position-weighted int64 checksum of an integer tensor, computed where ``values`` lives.
+
+    The collator's host copy of a rank's shard and the tensor a forward actually receives (on its device)
+    give the same value, so ranks can compare them without a host read of the batch. It is a checksum
+    against edits and mix-ups, not a hash: ``sum((v + 1) * (i % 251 + 1)) * 1000003 + numel`` over the
+    flattened tensor (``[B, L]`` rows in order), wrapped to 62 bits. Returns a 0-d int64 tensor.
+    """
+    flat = values.reshape(-1).to(torch.int64)
+    weights = torch.arange(flat.numel(), device=flat.device, dtype=torch.int64).remainder_(251).add_(1)
+    total = ((flat + 1) * weights).sum() * 1000003 + flat.numel()
+    return total.bitwise_and(_CHECKSUM_MASK)

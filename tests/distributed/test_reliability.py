@@ -185,17 +185,21 @@ def _setup_and_positions_worker(rank: int, world: int, tmp: str) -> dict:
     out["mesh"] = [group_timeout(mesh[d].get_group()).total_seconds() for d in ("dp", "cp")]
 
     # Item 3 end to end: a batch without position_ids through a guarded model equals the per-document
-    # reference; without the guard, rank 1 numbers its rows from 0 and the straddling document is wrong.
+    # reference; without the guard, rank 1 would number its rows from 0 and the straddling document would be
+    # wrong: the forward agreement (issue 17) refuses it on every rank.
     docs = [torch.randint(0, 97, (n,), generator=torch.Generator().manual_seed(n)) for n in (12, 14, 9, 5)]
     batch = bd.PackingCollator(40, group=mesh["cp"], pad_token_id=0)([{"input_ids": d.tolist()} for d in docs])
     ctx = batch["cp_context"]
     expected = _documents_alone(tiny_model("llama", attn_implementation="sdpa"), docs, ctx)
     model = tiny_model("llama", attn_implementation="blockdiag_cp")
     without = {k: v for k, v in batch.items() if k != "position_ids"}
-    unguarded = model(**without).logits[0]
+    try:
+        model(**without)
+        out["unguarded"] = "no error"
+    except bd.AgreementError as err:
+        out["unguarded"] = str(err)
     guarded = bd.guard_model(model)(**without).logits[0]
     torch.testing.assert_close(guarded, expected, rtol=1e-4, atol=1e-5)
-    out["unguarded_error"] = (unguarded - expected).abs().max().item()
 
     # normalize_num_items over dp=2 with one group without targets: the exact count, not clamped per group.
     dp_mesh = bd.init_device_mesh(1)
@@ -221,8 +225,8 @@ def test_process_group_timeouts_and_position_ids_on_two_ranks(tmp_path):
         assert out["relaxed"] == [1980.0, 1980.0]
         assert "the mesh's 'dp' group has a timeout of 1800 s" in out["trainer"], out["trainer"]
         assert out["mesh"] == [660.0, 660.0]
-        if rank == 1:  # rank 0's positions are the arange the model would use; rank 1's are not
-            assert out["unguarded_error"] > 1e-3, out["unguarded_error"]  # 100x the tolerance
+        # Every rank refuses the unguarded forward, naming rank 1, whose straddling document would be wrong.
+        assert "position_ids on" in out["unguarded"] and "rank 1 (checksum" in out["unguarded"], out["unguarded"]
         assert out["normalized"] == 3.0 and out["normalized_zero"] == 0.5
 
 
