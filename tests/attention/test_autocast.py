@@ -98,6 +98,7 @@ def _cp2_worker(rank: int, world: int) -> tuple:
     return logits.numpy(), {n: g.numpy() for n, g in grads.items()}, index.numpy()
 
 
+@pytest.mark.slow
 @pytest.mark.distributed
 def test_bf16_autocast_at_cp2_matches_documents_alone():
     results = run_ranks(_cp2_worker, 2, timeout=240)

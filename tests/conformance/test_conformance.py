@@ -148,6 +148,7 @@ def test_check_tool_mistakes_get_one_line_with_the_fix():
     assert "did you mean llama" in conformance.usage_error(["lama"], 1, environ={})
 
 
+@pytest.mark.slow
 def test_cli_under_its_old_name_prints_one_line_without_transformers_warnings():
     """``python -m hf_blockdiag_cp.check`` is unchanged; it causes no ``torch_dtype`` deprecation warning;
     a mistake ends in one line on stderr, not a traceback."""

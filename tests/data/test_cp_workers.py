@@ -59,6 +59,7 @@ def _worker(rank: int, world: int) -> list:
     return seen
 
 
+@pytest.mark.slow
 def test_collating_in_worker_processes_under_cp():
     for seen in run_ranks(_worker, 2, timeout=240):
         assert "fork" in seen and "spawn" in seen

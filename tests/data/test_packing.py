@@ -184,6 +184,7 @@ def check_row_against_inputs(ids: torch.Tensor, pos: torch.Tensor, shift: torch.
 @settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 @given(data=st.data(), cp_size=st.integers(1, 8), per_rank=st.integers(1, 4),
        overflow=st.sampled_from(["split", "truncate"]), placement=st.sampled_from(["contiguous", "zigzag", "balanced"]))
+@pytest.mark.slow
 def test_packing_and_sharding_invariants(data, cp_size, per_rank, overflow, placement):
     if placement == "zigzag":
         per_rank *= 2  # zigzag cuts the row into 2 * cp_size equal chunks

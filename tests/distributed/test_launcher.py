@@ -74,6 +74,7 @@ print("probe", os.environ["RANK"], os.environ["MASTER_PORT"], os.environ["TORCHE
 """
 
 
+@pytest.mark.slow
 def test_launch_example_uses_a_store_its_launcher_binds_and_serves(tmp_path):
     # torchrun's standalone rendezvous (c10d on localhost:0): the launcher process, the ranks' parent, binds an
     # OS-chosen port itself and serves the ranks' store; with the config's static rendezvous on a port picked

@@ -136,6 +136,7 @@ def _newcomer(rank: int, *args: str):
                           timeout=240, env={**os.environ, "RANK": str(rank), "TRANSFORMERS_VERBOSITY": "info"})
 
 
+@pytest.mark.slow
 def test_forgotten_import_gives_a_one_line_hint():
     proc = _newcomer(0)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-4000:]
@@ -144,6 +145,7 @@ def test_forgotten_import_gives_a_one_line_hint():
         "`import hf_blockdiag_cp` before loading the model (the import registers it)"], proc.stderr
 
 
+@pytest.mark.slow
 def test_other_ranks_stay_quiet_and_trl_arguments_use_current_names():
     """A process other than the main one prints no set-up error line, no dataset-preparation progress bar and no
     library INFO/WARNING logs; the TRL example's arguments use ``activation_checkpointing`` (not the deprecated

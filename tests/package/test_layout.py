@@ -9,6 +9,8 @@ import sys
 from collections import defaultdict
 from pathlib import Path
 
+import pytest
+
 
 PACKAGE = Path(__file__).resolve().parents[2] / "hf_blockdiag_cp"
 
@@ -122,6 +124,7 @@ def test_no_function_local_imports_of_the_package_or_required_dependencies():
     assert not found, "\n".join(found)
 
 
+@pytest.mark.slow
 def test_import_does_not_load_the_trainer():
     code = ("import sys, hf_blockdiag_cp as bd; assert 'transformers.trainer' not in sys.modules, 'eager'; "
             "bd.CPTrainer; assert 'transformers.trainer' in sys.modules; print('ok')")

@@ -188,6 +188,7 @@ class _SwitchToSdpa(TrainerCallback):
         model.set_attn_implementation("sdpa")
 
 
+@pytest.mark.slow
 def test_bad_setups_fail_fast(tmp_path):
     for messages in run_ranks(_fail_fast_worker, 2, str(tmp_path), timeout=240, env=_rank_env(2)):
         assert "attn_implementation" in messages["sdpa model"]
