@@ -125,6 +125,18 @@ def _backend(ctx: BlockDiagCPContext, spec: KernelSpec, device: torch.device) ->
     return chosen[spec]
 
 
+def exchange_fused_kv(k_flat: torch.Tensor, v_flat: torch.Tensor,
+                      ex: RankExchange) -> tuple[torch.Tensor, torch.Tensor]:
+    """Exchange ``k_flat [R, Hkv, D]`` and ``v_flat [R, Hkv, Dv]`` as one fused ``[R, Hkv * (D + Dv)]`` buffer
+    (one collective forward, one backward: see distributed/exchange.py); returns the received + own rows."""
+    rows, num_kv_heads, head_dim = k_flat.shape
+    value_dim = v_flat.shape[2]
+    kv = exchange_kv(torch.cat([k_flat.reshape(rows, -1), v_flat.reshape(rows, -1)], dim=1), ex)
+    total = kv.shape[0]
+    return (kv[:, : num_kv_heads * head_dim].view(total, num_kv_heads, head_dim),
+            kv[:, num_kv_heads * head_dim:].view(total, num_kv_heads, value_dim))
+
+
 def cp_attention(ctx: BlockDiagCPContext, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *,
                  dropout_p: float, scale: float, window: int | None, softcap: float | None,
                  sinks: torch.Tensor | None = None, plan: DevicePlan | None = None) -> torch.Tensor:
@@ -151,16 +163,10 @@ def cp_attention(ctx: BlockDiagCPContext, query: torch.Tensor, key: torch.Tensor
         plan = device_plan(ctx, query.device, window)
     spec = kernel_spec(query, key, value, dropout_p=dropout_p, window=window, softcap=softcap, sinks=sinks)
     backend = _backend(ctx, spec, query.device)
-    num_kv_heads, head_dim, value_dim = key.shape[1], key.shape[3], value.shape[3]
     k_flat, v_flat = flat_rows(key), flat_rows(value)
     ex = _rank_exchange(ctx, query.device, exchange_window)
     if ex is not None:
-        # One fused buffer per layer: one collective forward, one backward (see distributed/exchange.py).
-        kv = torch.cat([k_flat.reshape(local_len, -1), v_flat.reshape(local_len, -1)], dim=1)
-        kv = exchange_kv(kv, ex)
-        rows = kv.shape[0]
-        k_flat = kv[:, : num_kv_heads * head_dim].view(rows, num_kv_heads, head_dim)
-        v_flat = kv[:, num_kv_heads * head_dim:].view(rows, num_kv_heads, value_dim)
+        k_flat, v_flat = exchange_fused_kv(k_flat, v_flat, ex)
     try:
         return attend_flat(flat_rows(query), k_flat, v_flat, plan.plan, backend, scale=scale, dropout_p=dropout_p,
                            window=window, softcap=softcap, sinks=sinks, config=ctx.config, schedules=plan.schedules)

@@ -17,13 +17,13 @@ import torch
 import torch.distributed as dist
 
 from ..context import BlockDiagCPContext
-from ..distributed import RankExchange, exchange_kv
+from ..distributed import RankExchange
 from ..distributed.groups import GroupRef
 from ..distributed.ulysses import HeadA2A, heads_to_tokens, tokens_to_heads
 from ..planning import PlanError
 from ..planning.exchange import ExchangePlan, Strategy
 from .core import attend_flat, check_qkv, flat_rows, kernel_spec
-from .cp import CPKernelError, _backend, _timeout
+from .cp import _backend, _timeout, exchange_fused_kv, kernel_failed
 from .runtime import device_plan, plan_key, step_runtime
 
 __all__ = ["ulysses_attention"]
@@ -108,17 +108,10 @@ def ulysses_attention(ctx: BlockDiagCPContext, query: torch.Tensor, key: torch.T
     backend = _backend(ctx, spec, device)
     a2a = _head_a2a(ctx, device)
     q, k, v = heads_to_tokens(query, key, value, a2a)  # [1, Hq/u, u*L, D], [1, n_kv, u*L, D / Dv]
-    rows = q.shape[2]
-    head_dim, value_dim = k.shape[3], v.shape[3]
     k_flat, v_flat = flat_rows(k), flat_rows(v)
     ex = _group_exchange(ctx, device, window)
-    if ex is not None:
-        # One fused k|v buffer per layer between the sequence groups, for this rank's heads only.
-        kv = torch.cat([k_flat.reshape(rows, -1), v_flat.reshape(rows, -1)], dim=1)
-        kv = exchange_kv(kv, ex)
-        kv_rows = kv.shape[0]
-        k_flat = kv[:, : kv_per_rank * head_dim].view(kv_rows, kv_per_rank, head_dim)
-        v_flat = kv[:, kv_per_rank * head_dim:].view(kv_rows, kv_per_rank, value_dim)
+    if ex is not None:  # between the sequence groups, for this rank's heads only
+        k_flat, v_flat = exchange_fused_kv(k_flat, v_flat, ex)
     first = a2a.head_rank * q_per_rank
     head_sinks = None if sinks is None else sinks[first:first + q_per_rank]
     dplan = device_plan(ctx, device, window)
@@ -127,7 +120,6 @@ def ulysses_attention(ctx: BlockDiagCPContext, query: torch.Tensor, key: torch.T
                           window=window, softcap=softcap, sinks=head_sinks, config=ctx.config,
                           schedules=dplan.schedules)  # [u*L, Hq/u, Dv]
     except Exception as err:
-        raise CPKernelError(f"CP rank {ctx.cp_rank}/{ctx.cp_size}: the {backend!r} attention kernel failed "
-                            f"({type(err).__name__}: {err}); peer ranks will stop at their next collective") from err
+        raise kernel_failed(ctx, backend, err) from err
     out = tokens_to_heads(out.transpose(0, 1).unsqueeze(0), a2a)  # [1, Hq, L, Dv]
     return out[0].transpose(0, 1)
