@@ -113,12 +113,13 @@ def run_ranks(fn: Callable, world_size: int, *args: Any, timeout: float = 180.0,
 
 
 def _spawn_and_collect(fn: Callable, world_size: int, args: tuple, port: int, timeout: float, env: dict,
-                       pg_timeout_s: float) -> dict[int, tuple[str, Any]]:
-    """Start the ranks, gather ``{rank: (status, payload)}``, and return only once every rank has exited."""
+                       pg_timeout_s: float, entry: Callable = _entry) -> dict[int, tuple[str, Any]]:
+    """Start the ranks (``entry`` in each), gather ``{rank: (status, payload)}``, and return only once every
+    rank has exited."""
     ctx = _rank_context()
     results = ctx.Queue()
     parent_env = dict(os.environ)
-    procs = [ctx.Process(target=_entry, args=(r, world_size, port, fn, args, results, env, pg_timeout_s, parent_env),
+    procs = [ctx.Process(target=entry, args=(r, world_size, port, fn, args, results, env, pg_timeout_s, parent_env),
                          daemon=False) for r in range(world_size)]
     for p in procs:
         p.start()
@@ -185,3 +186,66 @@ def launch_example(script: str, *args: str, launcher_args: tuple[str, ...] = ("-
         output, _ = proc.communicate()
         raise AssertionError(f"{script} did not finish within {timeout:.0f} s:\n{output[-4000:]}") from None
     return Launched(proc.returncode, output)
+
+
+def _example_entry(rank: int, world_size: int, port: int, script: str, argv: tuple, results, env: dict,
+                   pg_timeout_s: float, parent_env: dict[str, str]) -> None:
+    """One rank of :func:`run_example`: the example as ``python examples/<script>`` under a launcher would run
+    it, its stdout and stderr (file descriptors 1 and 2, so C-level output too) in ``env["_LOG_DIR"]``."""
+    import runpy
+
+    log_dir = env["_LOG_DIR"]
+    os.environ.clear()
+    os.environ.update(parent_env)
+    os.environ.update({  # what torchrun gives a worker (its agent serving the store) and accelerate launch adds
+        "RANK": str(rank), "LOCAL_RANK": str(rank), "GROUP_RANK": "0", "ROLE_RANK": str(rank),
+        "WORLD_SIZE": str(world_size), "LOCAL_WORLD_SIZE": str(world_size), "ROLE_WORLD_SIZE": str(world_size),
+        "TORCHELASTIC_RESTART_COUNT": "0", "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
+        "HF_HUB_OFFLINE": "1", "HF_HUB_DISABLE_TELEMETRY": "1", "ACCELERATE_MIXED_PRECISION": "no",
+        "ACCELERATE_DYNAMO_BACKEND": "NO", **client_env(port)})
+    os.environ.update({k: v for k, v in env.items() if not k.startswith("_")})
+    log = os.open(os.path.join(log_dir, f"rank{rank}.log"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    os.dup2(log, 1)
+    os.dup2(log, 2)
+    path = script if os.path.isabs(script) else str(ROOT / "examples" / script)
+    os.chdir(ROOT)
+    sys.path.insert(0, os.path.dirname(path))  # as for ``python path``: the example imports its ``common``
+    sys.argv = [path, *argv]
+    code: int = 0
+    try:
+        import torch
+
+        torch.set_num_threads(1)
+        runpy.run_path(path, run_name="__main__")
+    except SystemExit as exit_:  # what the interpreter would do with it
+        if isinstance(exit_.code, str):
+            print(exit_.code, file=sys.stderr)
+        code = exit_.code if isinstance(exit_.code, int) else int(exit_.code is not None)
+    except BaseException:
+        traceback.print_exc()
+        code = 1
+    sys.stdout.flush()
+    sys.stderr.flush()
+    results.put((rank, "ok", code))
+    results.close()
+    results.join_thread()  # the result is written before the process ends
+    os._exit(code)  # like an interpreter exit, without running the fork server's atexit handlers
+
+
+def run_example(script: str, *args: str, world_size: int = 2, timeout: float = 300,
+                env: dict[str, str] | None = None) -> Launched:
+    """``examples/<script>`` on ``world_size`` ranks forked from the preloaded fork server, as ``accelerate
+    launch --config_file configs/accelerate/cpu_cp2.yaml`` starts it (the environment torchrun gives its
+    workers, the ranks connecting to a store this process serves), without each rank importing torch,
+    transformers and the package again (~10 s of a launch on 2 cores). :func:`launch_example` remains the
+    test of the launcher itself. ``output``: rank 0's stdout and stderr, then the other ranks' in order;
+    ``returncode``: the first non-zero exit status of a rank (0 when all succeed)."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as log_dir, hosted_stores(1) as (port,):
+        outcome = _spawn_and_collect(script, world_size, args, port, timeout, {**(env or {}), "_LOG_DIR": log_dir},
+                                     60.0, entry=_example_entry)
+        output = "".join(Path(log_dir, f"rank{r}.log").read_text(errors="replace") if Path(log_dir, f"rank{r}.log")
+                         .exists() else "" for r in range(world_size))
+    codes = [payload if status == "ok" else 1 for status, payload in (outcome[r] for r in range(world_size))]
+    return Launched(next((c for c in codes if c), 0), output)

@@ -135,12 +135,12 @@ def test_trainer_with_bf16_matches_fp32(tmp_path):
 def test_example_with_mixed_precision_bf16_keeps_parity(tmp_path):
     import json
 
-    from tests.launch import launch_example
+    from tests.launch import run_example
 
     summary = tmp_path / "summary.json"
-    proc = launch_example("train_packed_cp.py", "--cp-size", "2", "--seq-len", "512", "--steps", "2",
+    proc = run_example("train_packed_cp.py", "--cp-size", "2", "--seq-len", "512", "--steps", "2",
                           "--max-docs", "24", "--mixed-precision", "bf16", "--check-parity", "--no-progress",
-                          "--summary-json", str(summary), timeout=240)
+                       "--summary-json", str(summary), timeout=240)
     assert proc.returncode == 0, proc.output[-4000:]
     result = json.loads(summary.read_text())
     assert result["mixed_precision"] == "bf16" and result["cp_size"] == 2

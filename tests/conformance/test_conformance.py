@@ -154,12 +154,21 @@ def test_cli_under_its_old_name_prints_one_line_without_transformers_warnings():
     a mistake ends in one line on stderr, not a traceback."""
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
     env.pop("WORLD_SIZE", None)
-    proc = subprocess.run([sys.executable, "-m", "hf_blockdiag_cp.check", "llama", "--no-generate"],
-                          capture_output=True, text=True, timeout=240, env=env)
-    assert proc.returncode == 0 and proc.stdout.startswith("llama: exact"), proc.stdout + proc.stderr
-    assert "torch_dtype" not in proc.stderr + proc.stdout, proc.stderr
-    proc = subprocess.run([sys.executable, "-m", "hf_blockdiag_cp.check", "llama", "--cp-size", "2"],
-                          capture_output=True, text=True, timeout=240, env={**env, "WORLD_SIZE": "2"})
+    # Both at once: each is a fresh interpreter spending ~10 s of one core on imports.
+    good = subprocess.Popen([sys.executable, "-m", "hf_blockdiag_cp.check", "llama", "--no-generate"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    bad = subprocess.Popen([sys.executable, "-m", "hf_blockdiag_cp.check", "llama", "--cp-size", "2"],
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={**env, "WORLD_SIZE": "2"})
+    try:
+        proc = subprocess.CompletedProcess(good.args, 0, *good.communicate(timeout=240))
+        proc.returncode = good.returncode
+        assert proc.returncode == 0 and proc.stdout.startswith("llama: exact"), proc.stdout + proc.stderr
+        assert "torch_dtype" not in proc.stderr + proc.stdout, proc.stderr
+        proc = subprocess.CompletedProcess(bad.args, 0, *bad.communicate(timeout=240))
+        proc.returncode = bad.returncode
+    finally:
+        good.kill()
+        bad.kill()
     assert proc.returncode == 2 and proc.stdout == "", proc.stdout
     assert proc.stderr.count("\n") == 1 and "not under torchrun" in proc.stderr, proc.stderr
 

@@ -8,7 +8,7 @@ import json
 from pathlib import Path
 
 import pytest
-from tests.launch import launch_example
+from tests.launch import run_example
 
 pytest.importorskip("peft")
 
@@ -20,10 +20,10 @@ ROOT = Path(__file__).resolve().parents[2]
 def test_lora_example_cp2_parity(tmp_path):
     summary_path = tmp_path / "summary.json"
     # --lora-init random: B is not zero, so every adapter matrix (A too) has a gradient in the compared step.
-    proc = launch_example("trainer_packed_cp.py", "--cp-size", "2", "--max-docs", "24", "--seq-len", "512",
-                          "--steps", "2", "--lora", "--lora-r", "4", "--lora-alpha", "8", "--lora-target-modules",
-                          "q_proj,v_proj", "--lora-init", "random", "--grad-checkpointing", "--check-parity",
-                          "--no-progress", "--summary-json", str(summary_path), timeout=240)
+    proc = run_example("trainer_packed_cp.py", "--cp-size", "2", "--max-docs", "24", "--seq-len", "512",
+                       "--steps", "2", "--lora", "--lora-r", "4", "--lora-alpha", "8", "--lora-target-modules",
+                       "q_proj,v_proj", "--lora-init", "random", "--grad-checkpointing", "--check-parity",
+                       "--no-progress", "--summary-json", str(summary_path), timeout=240)
     output = proc.output
     assert proc.returncode == 0, output[-4000:]
     summary = json.loads(summary_path.read_text())
