@@ -1,7 +1,7 @@
 """TRL's ``SFTTrainer`` under CP (issue 11, part 2): ``CPSFTTrainer``.
 
-(a) examples/sft_trl_cp.py through the real ``accelerate launch`` on 2 CPU processes (no ``--cp-size``: all
-    processes form the CP group), chat prompt/completion data through TRL's chat template and completion-only
+(a) examples/sft_trl_cp.py on 2 CPU processes started as ``accelerate launch`` starts them (``run_example``; the
+    real launcher runs this script in test_launch_settings.py) (no ``--cp-size``: all processes form the CP group), chat prompt/completion data through TRL's chat template and completion-only
     loss: the first step's loss and gradients, and the eval_loss (with an eval row whose second CP shard is all
     padding), equal one process running every document alone through stock sdpa;
 (b) on one process, TRL's other dataset types (plain prompt/completion, plain text, one example per row) give the
@@ -18,7 +18,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from tests.launch import launch_example
+from tests.launch import run_example
 
 pytest.importorskip("trl")
 pytest.importorskip("datasets")
@@ -45,9 +45,9 @@ def test_sft_example_two_processes_matches_documents_alone(tmp_path):
     data = tmp_path / "docs.jsonl"
     data.write_text("".join(json.dumps({"text": t}) + "\n" for t in _documents()))
     summary_path = tmp_path / "summary.json"
-    proc = launch_example("sft_trl_cp.py", "--data", str(data), "--eval-docs", "3", "--seq-len", str(SEQ_LEN),
-                          "--grad-accum", "2", "--steps", "2", "--check-parity", "--no-progress", "--summary-json",
-                          str(summary_path), timeout=240)
+    proc = run_example("sft_trl_cp.py", "--data", str(data), "--eval-docs", "3", "--seq-len", str(SEQ_LEN),
+                       "--grad-accum", "2", "--steps", "2", "--check-parity", "--no-progress", "--summary-json",
+                       str(summary_path), timeout=240)
     output = proc.output
     assert proc.returncode == 0, output[-4000:]
     summary = json.loads(summary_path.read_text())
