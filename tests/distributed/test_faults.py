@@ -29,6 +29,10 @@ pytestmark = pytest.mark.distributed
 TIMEOUT_S = 5.0  # collective_timeout_s of every scenario
 PG_TIMEOUT_S = TIMEOUT_S + 10.0  # what init_device_mesh gives the process groups (the minimum margin)
 BOUND_S = TIMEOUT_S + 30.0  # the acceptance bound on every surviving rank's time to its error
+# The stalls wait out a timeout by design: a shorter one keeps them short (the fast scenarios keep 5 s, so that
+# a loaded machine cannot make a healthy collective time out).
+STALL_TIMEOUT_S = 3.0
+STALL_PG_TIMEOUT_S = STALL_TIMEOUT_S + 10.0
 LENGTHS = [5, 20, 3, 12, 8]  # 48 tokens: at CP=2 (L=24) the second document straddles the boundary
 SPLIT_AT_4 = [12, 12, 12, 12]  # at CP=4 no document crosses a rank boundary: nothing to exchange
 FAULTY = 1  # the rank a fault is injected on
@@ -201,7 +205,7 @@ def _ddp_step(rank, world, mesh, config, *, stall_collator: bool, stall_backward
     import hf_blockdiag_cp as bd
     from tests.reference import tiny_model
 
-    stall = config.process_group_timeout.total_seconds() + 2
+    stall = config.process_group_timeout.total_seconds() + 1
     model = bd.guard_model(tiny_model("llama", attn_implementation="blockdiag_cp").train())
     if stall_backward and rank == FAULTY:
         model.get_input_embeddings().weight.register_hook(lambda grad: time.sleep(stall))
@@ -245,7 +249,8 @@ def _barrier(store, key: str, world: int) -> None:
     store.wait([f"{key}/go"])
 
 
-def _scenario_worker(rank: int, world: int, names: list[str], ports: list[int], cp_size: int, log_dir: str) -> None:
+def _scenario_worker(rank: int, world: int, names: list[str], ports: list[int], cp_size: int, log_dir: str,
+                     timeout_s: float) -> None:
     """Run ``names`` one after another, each in a fresh process group made by init_device_mesh; every
     outcome is appended to ``log_dir/rank{rank}.jsonl`` at once (a rank may be killed by its scenario)."""
     import torch.distributed as dist
@@ -255,13 +260,14 @@ def _scenario_worker(rank: int, world: int, names: list[str], ports: list[int], 
 
     dist.destroy_process_group()  # the harness's group: every scenario makes its own
     store = dist.TCPStore(LOCALHOST, ports[0], is_master=False, timeout=datetime.timedelta(seconds=240))
-    config = bd.BlockDiagCPConfig(collective_timeout_s=TIMEOUT_S)
-    assert config.process_group_timeout.total_seconds() == PG_TIMEOUT_S
+    config = bd.BlockDiagCPConfig(collective_timeout_s=timeout_s)
+    pg_timeout_s = timeout_s + 10.0
+    assert config.process_group_timeout.total_seconds() == pg_timeout_s
     for i, (name, port) in enumerate(zip(names, ports[1:])):
         _barrier(store, f"scenario{i}", world)
         os.environ.update(client_env(port), RANK=str(rank), WORLD_SIZE=str(world))  # a fresh store per group
         mesh = bd.init_device_mesh(cp_size, config=config)
-        assert group_timeout().total_seconds() == PG_TIMEOUT_S  # init_device_mesh made the default group
+        assert group_timeout().total_seconds() == pg_timeout_s  # init_device_mesh made the default group
         start = time.monotonic()
         try:
             SCENARIOS[name](rank, world, mesh, config)
@@ -274,11 +280,11 @@ def _scenario_worker(rank: int, world: int, names: list[str], ports: list[int], 
             fh.write(json.dumps({"scenario": name, "error": error, "message": message[:600], "elapsed_s": elapsed}) + "\n")
 
 
-def _run(names: list[str], world: int = 2, timeout: float = 240.0) -> dict[str, list]:
+def _run(names: list[str], world: int = 2, timeout: float = 240.0, timeout_s: float = TIMEOUT_S) -> dict[str, list]:
     """``{scenario: [(status, error, message, elapsed_s) per rank]}``; status is 'ran', or 'died' for a rank
     that was killed before it could report the scenario."""
     with hosted_stores(len(names) + 1) as ports, tempfile.TemporaryDirectory() as log_dir:
-        outcome = run_ranks(_scenario_worker, world, names, ports, world, log_dir, timeout=timeout,
+        outcome = run_ranks(_scenario_worker, world, names, ports, world, log_dir, timeout_s, timeout=timeout,
                             expect_failure=True)
         logs = []
         for rank in range(world):
@@ -356,15 +362,16 @@ def test_sigkill_of_one_rank_during_the_halo_exchange(fast_faults):
 
 @pytest.fixture(scope="module")
 def stall_faults() -> dict[str, list]:
-    return _run(STALLS)
+    return _run(STALLS, timeout_s=STALL_TIMEOUT_S)
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_one_rank_sleeping_past_the_collective_timeout(stall_faults):
     rows = stall_faults["sleep_past_timeout"]
-    _survivors_raise(rows, {0: ("CollectiveError", f"did not finish within {TIMEOUT_S:.0f} s")})
-    assert rows[0][3] >= TIMEOUT_S - 0.5  # it waited for the timeout, not less
+    _survivors_raise(rows, {0: ("CollectiveError", f"did not finish within {STALL_TIMEOUT_S:.0f} s")},
+                     bound=STALL_TIMEOUT_S + 30)
+    assert rows[0][3] >= STALL_TIMEOUT_S - 0.5  # it waited for the timeout, not less
     # The sleeper wakes to a peer that gave up: its next collective fails (it is the faulty rank: no bound).
     assert rows[FAULTY][1] == "CollectiveError", rows[FAULTY]
 
@@ -375,7 +382,8 @@ def test_collator_stall_under_ddp_ends_every_rank_within_the_process_group_timeo
     # The peer blocks in DDP's buffer broadcast (a torch collective, not the package's): the process group's
     # timeout, set from collective_timeout_s by init_device_mesh, ends it instead of torch's 30 minutes.
     rows = stall_faults["ddp_collator_stall"]
-    _survivors_raise(rows, {0: ("RuntimeError", f"Timed out waiting {PG_TIMEOUT_S * 1000:.0f}ms")})  # gloo's error
+    _survivors_raise(rows, {0: ("RuntimeError", f"Timed out waiting {STALL_PG_TIMEOUT_S * 1000:.0f}ms")},  # gloo's
+                     bound=STALL_TIMEOUT_S + 30)
     assert rows[FAULTY][1] is not None, rows[FAULTY]
 
 
@@ -383,7 +391,8 @@ def test_collator_stall_under_ddp_ends_every_rank_within_the_process_group_timeo
 @pytest.mark.timeout(300)
 def test_backward_stall_under_ddp_ends_every_rank_within_the_process_group_timeout(stall_faults):
     rows = stall_faults["ddp_backward_stall"]  # the peer blocks in DDP's gradient all-reduce
-    _survivors_raise(rows, {0: ("RuntimeError", f"Timed out waiting {PG_TIMEOUT_S * 1000:.0f}ms")})
+    _survivors_raise(rows, {0: ("RuntimeError", f"Timed out waiting {STALL_PG_TIMEOUT_S * 1000:.0f}ms")},
+                     bound=STALL_TIMEOUT_S + 30)
     assert rows[FAULTY][1] is not None, rows[FAULTY]
 
 
