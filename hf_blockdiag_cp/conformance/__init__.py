@@ -49,7 +49,7 @@ from .result import (
     shorten,
 )
 from .runs import LENGTHS, VARIANTS, build_model, make_documents, packed_inputs, packed_run, reference_run
-from .sweep import cp2_sample, read_jsonl, run_isolated, sweep
+from .sweep import cp2_sample, read_jsonl, run_batch, run_isolated, sweep
 
 __all__ = [
     "CHUNK_SIZE",
@@ -85,6 +85,7 @@ __all__ = [
     "refusal_cause",
     "replace_readme_summary",
     "run_cp",
+    "run_batch",
     "run_isolated",
     "shorten",
     "shrink_overrides",

@@ -69,6 +69,9 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--jsonl", type=Path, help="with --all: append results here (and resume from it)")
     parser.add_argument("--jobs", type=int, default=1, help="with --all: architectures checked at the same time")
     parser.add_argument("--timeout", type=float, default=300.0, help="with --all: seconds per architecture")
+    parser.add_argument("--batch", type=int, default=1,
+                        help="with --all: architectures per check process (one import, one fork server for the CP "
+                             "ranks; a crashed process's architectures are checked again one per process)")
     parser.add_argument("--cp2-sample", type=int, default=0,
                         help="with --all: also check this many exact architectures at CP=2")
     parser.add_argument("--cp2-also", default="", help="with --all: comma-separated model types also checked at "
@@ -106,12 +109,13 @@ def _sweep_command(args: argparse.Namespace) -> str:
 def _run_all(args: argparse.Namespace) -> int:
     start = time.monotonic()
     results = sweep(causal_lm_types(), cp_size=1, timeout=args.timeout, jsonl=args.jsonl,
-                    jobs=args.jobs)
+                    jobs=args.jobs, batch=args.batch)
     also = [m for m in args.cp2_also.split(",") if m]
     cp2: list[CheckResult] = []
     if args.cp2_sample or also:
+        # generate() does not depend on the CP size: the CP = 1 row has compared it already.
         cp2 = sweep(cp2_sample(results, args.cp2_sample, also), cp_size=2, timeout=args.timeout, jsonl=args.jsonl,
-                    jobs=args.jobs)
+                    jobs=args.jobs, batch=args.batch, generate=False)
     seconds = time.monotonic() - start
     counts = {s: sum(r.status == s for r in results) for s in (EXACT, REFUSED, FAIL, NOT_APPLICABLE)}
     print(f"{len(results)} architectures: " + ", ".join(f"{v} {k}" for k, v in counts.items())

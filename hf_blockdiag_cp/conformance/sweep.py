@@ -16,7 +16,7 @@ from pathlib import Path
 
 from .result import EXACT, FAIL, CheckResult, shorten
 
-__all__ = ["cp2_sample", "read_jsonl", "run_isolated", "sweep"]
+__all__ = ["cp2_sample", "read_jsonl", "run_batch", "run_isolated", "sweep"]
 
 
 def _limit_memory() -> None:
@@ -26,24 +26,42 @@ def _limit_memory() -> None:
     resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
 
 
-def run_isolated(model: str, cp_size: int, timeout: float, python: str = sys.executable) -> CheckResult:
+def run_isolated(model: str, cp_size: int, timeout: float, python: str = sys.executable, *,
+                 generate: bool = True) -> CheckResult:
     """One architecture's check (``python -m hf_blockdiag_cp.check MODEL --json``) in a subprocess."""
-    cmd = [python, "-m", "hf_blockdiag_cp.check", model, "--cp-size", str(cp_size), "--json"]
+    return run_batch([model], cp_size, timeout, python, generate=generate)[0]
+
+
+def run_batch(models: Sequence[str], cp_size: int, timeout: float, python: str = sys.executable, *,
+              generate: bool = True) -> list[CheckResult]:
+    """Several architectures' checks in one subprocess (``check M1 M2 ... --json``: one import of torch and
+    transformers, and at ``cp_size`` > 1 one fork server for every CP run), ``timeout`` seconds per model.
+    Models the process did not report (it crashed or timed out) are checked again one subprocess each, so a
+    model that kills its process is reported alone; a single model's failure is a ``FAIL`` result."""
+    cmd = [python, "-m", "hf_blockdiag_cp.check", *models, "--cp-size", str(cp_size), "--json"]
+    if not generate:
+        cmd.append("--no-generate")
     start = time.monotonic()
+    failure, stdout = "", ""
     try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env={**os.environ},
-                              preexec_fn=_limit_memory)
-    except subprocess.TimeoutExpired:
-        return CheckResult(model=model, status=FAIL, reason=f"timed out after {timeout:.0f} s", cp_size=cp_size,
-                           seconds=time.monotonic() - start)
-    for line in reversed(proc.stdout.splitlines()):
-        if line.startswith("{"):
-            result = CheckResult(**json.loads(line))
-            result.seconds = time.monotonic() - start  # wall time, process start-up included
-            return result
-    tail = shorten((proc.stderr or proc.stdout)[-400:], 300)
-    return CheckResult(model=model, status=FAIL, reason=f"check process exited with {proc.returncode}: {tail}",
-                       cp_size=cp_size, seconds=time.monotonic() - start)
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout * len(models),
+                              env={**os.environ}, preexec_fn=_limit_memory)
+        stdout = proc.stdout
+        failure = f"check process exited with {proc.returncode}: {shorten((proc.stderr or proc.stdout)[-400:], 300)}"
+    except subprocess.TimeoutExpired as err:
+        out = err.stdout or ""
+        stdout = out.decode(errors="replace") if isinstance(out, bytes) else out
+        failure = f"timed out after {timeout * len(models):.0f} s"
+    reported = [CheckResult(**json.loads(line)) for line in stdout.splitlines() if line.startswith("{")]
+    elapsed = time.monotonic() - start
+    for r in reported:  # wall time, the process's start-up shared out
+        r.seconds = elapsed / len(models)
+    if len(reported) == len(models):
+        return reported
+    if len(models) > 1:  # who broke the process? each of the rest alone
+        return reported + [run_isolated(m, cp_size, timeout, python, generate=generate)
+                           for m in models[len(reported):]]
+    return [CheckResult(model=models[0], status=FAIL, reason=failure, cp_size=cp_size, seconds=elapsed)]
 
 
 def _read(path: Path) -> list[CheckResult]:
@@ -59,24 +77,28 @@ def read_jsonl(path: Path) -> tuple[list[CheckResult], list[CheckResult]]:
     return list(one.values()), list(more.values())
 
 
-def sweep(models: Sequence[str], *, cp_size: int, timeout: float, jsonl: Path | None, jobs: int = 1
-          ) -> list[CheckResult]:
-    """Check ``models`` one subprocess each, ``jobs`` at a time; prints one line per model as it finishes,
-    appends JSON lines to ``jsonl`` (and skips the models it already holds at this ``cp_size``). Returns
-    the results in the order of ``models``."""
+def sweep(models: Sequence[str], *, cp_size: int, timeout: float, jsonl: Path | None, jobs: int = 1,
+          batch: int = 1, generate: bool = True) -> list[CheckResult]:
+    """Check ``models``, ``batch`` per subprocess (:func:`run_batch`), ``jobs`` subprocesses at a time; prints one
+    line per model as it finishes, appends JSON lines to ``jsonl`` (and skips the models it already holds at this
+    ``cp_size``). Returns the results in the order of ``models``."""
     done: dict[str, CheckResult] = {}
     if jsonl is not None and jsonl.exists():  # resume an interrupted sweep
         done = {r.model: r for r in _read(jsonl) if r.cp_size == cp_size}
     todo = [m for m in models if m not in done]
     with ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:  # threads only wait on subprocesses
-        futures = [pool.submit(run_isolated, model, cp_size, timeout) for model in todo]
-        for finished, future in enumerate(as_completed(futures), len(models) - len(todo) + 1):
-            r = future.result()
-            done[r.model] = r
-            print(f"[{finished}/{len(models)}] {r.line()}", flush=True)
-            if jsonl is not None:  # written by this thread only
-                with jsonl.open("a") as f:
-                    f.write(json.dumps(asdict(r)) + "\n")
+        size = max(1, batch)
+        futures = [pool.submit(run_batch, todo[i:i + size], cp_size, timeout, generate=generate)
+                   for i in range(0, len(todo), size)]
+        finished = len(models) - len(todo)
+        for future in as_completed(futures):
+            for r in future.result():
+                finished += 1
+                done[r.model] = r
+                print(f"[{finished}/{len(models)}] {r.line()}", flush=True)
+                if jsonl is not None:  # written by this thread only
+                    with jsonl.open("a") as f:
+                        f.write(json.dumps(asdict(r)) + "\n")
     return [done[m] for m in models]
 
 

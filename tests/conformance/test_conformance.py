@@ -5,6 +5,8 @@ sweep over every causal LM of transformers and the CP = 2 sample are marked slow
 
 from __future__ import annotations
 
+import functools
+
 import json
 import os
 import subprocess
@@ -227,6 +229,62 @@ def test_markdown_table_counts():
     text = conformance.markdown_table(results, title="T", seconds=60)
     assert "**1 exact, 1 refused, 0 FAIL, 1 not applicable.**" in text
     assert "| `b` | refused |" in text and "x \\| y" in text
+
+
+def test_markdown_has_a_cp2_column_and_says_when_every_exact_architecture_ran_at_cp2(tmp_path):
+    results = [conformance.CheckResult("a", EXACT), conformance.CheckResult("b", EXACT),
+               conformance.CheckResult("c", REFUSED, reason="r")]
+    both = [conformance.CheckResult("a", EXACT, cp_size=2), conformance.CheckResult("b", REFUSED, reason="q",
+                                                                                     cp_size=2)]
+    text = conformance.markdown_table(results, title="T", seconds=60, cp2=both)
+    assert "| model type | result | CP = 2 |" in text
+    assert "| `a` | exact | exact |" in text and "| `b` | exact | refused |" in text
+    assert "| `c` | refused | not run |" in text
+    assert "every architecture exact at CP = 1" in text
+    assert "a sample of the exact ones" in conformance.markdown_table(results, title="T", seconds=60, cp2=both[:1])
+    (tmp_path / "models.md").write_text(text)
+    assert conformance.read_models_table(tmp_path / "models.md") == {"a": (EXACT, ""), "b": (EXACT, ""),
+                                                                     "c": (REFUSED, "r")}
+
+
+#: Stands in for ``python``: ``-m hf_blockdiag_cp.check M... --cp-size N --json [--no-generate]`` prints one JSON
+#: line per model in order, dies (no line, exit 1) at a model named "crash", and logs each call's models.
+_FAKE_CHECK = """#!{python}
+import json, sys
+args = sys.argv[3:]
+models = [a for a in args[:args.index("--cp-size")]]
+with open({log!r}, "a") as log:
+    log.write(" ".join(models) + (" no-generate" if "--no-generate" in args else "") + "\\n")
+for m in models:
+    if m == "crash":
+        sys.exit(1)
+    print(json.dumps({{"model": m, "status": "exact", "cp_size": int(args[args.index("--cp-size") + 1])}}), flush=True)
+"""
+
+
+def test_batched_sweep_reports_every_model_and_isolates_the_one_that_kills_its_process(tmp_path, monkeypatch):
+    import importlib
+
+    sweep_module = importlib.import_module("hf_blockdiag_cp.conformance.sweep")  # the package exports sweep()
+
+    log = tmp_path / "calls.log"
+    fake = tmp_path / "fake_python"
+    fake.write_text(_FAKE_CHECK.format(python=sys.executable, log=str(log)))
+    fake.chmod(0o755)
+    results = sweep_module.run_batch(["a", "crash", "b"], 2, 60, python=str(fake), generate=False)
+    assert [(r.model, r.status) for r in results] == [("a", EXACT), ("crash", conformance.FAIL), ("b", EXACT)]
+    assert "exited with 1" in results[1].reason
+    # One process for the batch, then the unreported ones alone: the crash cannot take "b" down with it.
+    assert log.read_text().splitlines() == ["a crash b no-generate", "crash no-generate", "b no-generate"]
+    # sweep() with batch=2 writes every model once, in any order, and resumes from its JSON lines.
+    monkeypatch.setattr(sweep_module.sys, "executable", str(fake))
+    jsonl = tmp_path / "s.jsonl"
+    monkeypatch.setattr(sweep_module, "run_batch", functools.partial(sweep_module.run_batch, python=str(fake)))
+    out = sweep_module.sweep(["a", "b", "c"], cp_size=2, timeout=60, jsonl=jsonl, jobs=2, batch=2)
+    assert [r.model for r in out] == ["a", "b", "c"] and len(jsonl.read_text().splitlines()) == 3
+    log.unlink()
+    assert [r.model for r in sweep_module.sweep(["a", "b", "c"], cp_size=2, timeout=60, jsonl=jsonl)] == ["a", "b", "c"]
+    assert not log.exists()  # everything came from the JSON lines
 
 
 @pytest.mark.slow
