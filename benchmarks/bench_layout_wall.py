@@ -6,7 +6,10 @@ packed row of lognormal document lengths (mean S/8), heads Hq=8, Hkv=2, D=64: ev
 head all-to-all, K/V exchange, kernel, all-to-all back), median over iterations, max over ranks; with
 the bytes each rank moved per layer (forward + backward, counted).
 
-    python benchmarks/bench_layout_wall.py [--seq-len 4096] [--iters 3] [--cp-sizes 2 4]
+    python benchmarks/bench_layout_wall.py [--seq-len 4096] [--iters 3] [--cp-sizes 2 4] [--out PNG]
+
+The plot (``--out``, needs matplotlib): per P, the wall time and the bytes sent per layout, one colour per
+``u`` actually run (``auto`` hatched, in the colour of the ``u`` it chose).
 """
 
 from __future__ import annotations
@@ -27,6 +30,8 @@ sys.path.insert(0, os.path.dirname(__file__))
 from bench_exchange import _free_port, lognormal_row  # noqa: E402
 
 HEADS, KV_HEADS, DIM = 8, 2, 64
+#: One colour per ulysses_size u that ran (``auto`` takes the colour of its choice, hatched).
+U_COLORS = {1: "tab:blue", 2: "tab:orange", 4: "tab:green", 8: "tab:red", 16: "tab:purple"}
 
 
 def _sizes(world: int) -> list:
@@ -76,34 +81,90 @@ def _worker(rank: int, world: int, port: int, full_len: int, iters: int, results
     dist.destroy_process_group()
 
 
-def main() -> None:
+def measure(world: int, full_len: int, iters: int) -> dict:
+    """``{ulysses_size: (u chosen, wall ms, KiB sent)}`` of ``world`` gloo ranks (wall and bytes: max over ranks)."""
     import torch.multiprocessing as mp
 
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = _free_port()
+    procs = [ctx.Process(target=_worker, args=(r, world, port, full_len, iters, results)) for r in range(world)]
+    for p in procs:
+        p.start()
+    per_rank = dict(results.get(timeout=1800) for _ in procs)
+    for p in procs:
+        p.join()
+    return {u: (per_rank[0][u][0], max(per_rank[r][u][1] for r in per_rank) * 1e3,
+                max(per_rank[r][u][2] for r in per_rank) / 1024) for u in _sizes(world)}
+
+
+def layout_figure(results: dict, seq_len: int):
+    """Two rows of panels, one column per P: wall ms (top) and KiB sent per rank (bottom) per requested
+    ``ulysses_size``; each bar in the colour of the ``u`` that ran, ``auto`` hatched."""
+    import matplotlib.pyplot as plt
+    from matplotlib.patches import Patch
+
+    worlds = sorted(results)
+    fig, axes = plt.subplots(2, len(worlds), figsize=(4.6 * len(worlds), 6.8), squeeze=False)
+    for col, world in enumerate(worlds):
+        rows = results[world]
+        labels = [f"{u}\n({rows[u][0]} x {world // rows[u][0]})" for u in rows]
+        colors = [U_COLORS[rows[u][0]] for u in rows]
+        hatches = ["//" if u == "auto" else "" for u in rows]
+        for row, (value, ylabel) in enumerate(((1, "wall ms, one layer fwd+bwd"), (2, "KiB sent per rank per layer"))):
+            ax = axes[row][col]
+            bars = ax.bar(labels, [rows[u][value] for u in rows], color=colors, hatch=hatches, edgecolor="black",
+                          linewidth=0.6)
+            ax.bar_label(bars, fmt="%.0f", fontsize=9)
+            ax.set_ylabel(ylabel, fontsize=10)
+            ax.grid(axis="y", alpha=0.3)
+            ax.margins(y=0.15)
+            if row == 0:
+                ax.set_title(f"P = {world} CP ranks", fontsize=11)
+            else:
+                ax.set_xlabel("ulysses_size requested (u x c that ran)", fontsize=10)
+    used = sorted({rows[u][0] for rows in results.values() for u in rows})
+    handles = [Patch(facecolor=U_COLORS[u], edgecolor="black", label=f"u = {u}") for u in used]
+    handles.append(Patch(facecolor="white", edgecolor="black", hatch="//", label="auto (its choice's colour)"))
+    fig.suptitle(f"one attention layer on gloo, S = {seq_len}, Hq={HEADS} Hkv={KV_HEADS} D={DIM}, bf16",
+                 fontsize=11, y=0.99)
+    fig.legend(handles=handles, loc="upper center", bbox_to_anchor=(0.5, 0.955), ncol=len(handles), fontsize=10,
+               frameon=False, title="colour: ranks per head-parallel group u that ran", title_fontsize=10)
+    fig.tight_layout(rect=(0, 0, 1, 0.9))
+    return fig
+
+
+def plot(results: dict, seq_len: int, path: str) -> None:
+    """Write :func:`layout_figure` to ``path`` (a note instead when matplotlib is missing)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+    except ImportError:
+        print(f"\n(matplotlib not installed: no plot; pip install -e '.[bench]' to get {path})")
+        return
+    layout_figure(results, seq_len).savefig(path, dpi=120)
+    print(f"\nplot: {path}")
+
+
+def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--seq-len", type=int, default=4096, help="row length S (divisible by every P)")
     parser.add_argument("--iters", type=int, default=3, help="timed fwd+bwd iterations per layout (median)")
     parser.add_argument("--cp-sizes", type=int, nargs="+", default=[2, 4], help="CP group sizes P (one gloo run each)")
+    parser.add_argument("--out", default="bench_layout_wall.png",
+                        help="PNG of the table (needs matplotlib: pip install -e '.[bench]')")
     args = parser.parse_args()
     print(f"## One layer fwd+bwd on gloo per layout (S={args.seq_len}, Hq={HEADS}, Hkv={KV_HEADS}, D={DIM}, bf16, "
           f"sdpa_doc, 1 thread per rank, median of {args.iters}, max over ranks)\n")
     print("| P | ulysses_size | u x c | wall ms (fwd+bwd) | KiB sent per rank (max) |")
     print("|---|---|---|---:|---:|")
-    ctx = mp.get_context("spawn")
+    results = {}
     for world in args.cp_sizes:
-        results = ctx.Queue()
-        port = _free_port()
-        procs = [ctx.Process(target=_worker, args=(r, world, port, args.seq_len, args.iters, results))
-                 for r in range(world)]
-        for p in procs:
-            p.start()
-        per_rank = dict(results.get(timeout=1800) for _ in procs)
-        for p in procs:
-            p.join()
-        for u in _sizes(world):
-            chosen = per_rank[0][u][0]
-            wall = max(per_rank[r][u][1] for r in per_rank) * 1e3
-            sent = max(per_rank[r][u][2] for r in per_rank) / 1024
+        results[world] = measure(world, args.seq_len, args.iters)
+        for u, (chosen, wall, sent) in results[world].items():
             print(f"| {world} | {u} | {chosen} x {world // chosen} | {wall:.1f} | {sent:.0f} |")
+    plot(results, args.seq_len, args.out)
 
 
 if __name__ == "__main__":

@@ -197,6 +197,9 @@ def add_common_args(parser: argparse.ArgumentParser) -> None:
                         "group (use --cp-size 1 for plain data parallelism)")
     p.add_argument("--backend", default="auto", choices=bd.BACKENDS, help="attention kernel ('auto' picks one)")
     p.add_argument("--kv-exchange", default="auto", choices=bd.KV_EXCHANGES, help="how CP ranks exchange K/V")
+    p.add_argument("--ulysses-size", default="1", type=ulysses_size_arg,
+                   help="CP ranks per head-parallel (Ulysses) subgroup: an int dividing the CP size, or 'auto' (chosen "
+                        "per step by the cost model; see docs/layouts.md). Default 1: sequence parallelism only")
     p.add_argument("--steps", type=int, default=20, help="optimizer steps")
     p.add_argument("--lr", type=float, default=3e-3, help="learning rate (constant)")
     p.add_argument("--seed", type=int, default=0, help="seed of the model, the adapters and the row order")
@@ -223,6 +226,16 @@ def add_common_args(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--lora-init", default="default", choices=["default", "random"],
                    help="'default': PEFT's (B = 0, the adapter starts as the identity); 'random': B random too, so "
                         "that every adapter matrix has a gradient in step 1 (what --check-parity then compares)")
+
+
+def ulysses_size_arg(value: str) -> int | str:
+    """``--ulysses-size``: ``"auto"`` or an int (the package validates it against the CP size and the heads)."""
+    if value == "auto":
+        return value
+    try:
+        return int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an int or 'auto', got {value!r}") from None
 
 
 def chunked_loss_setting(args) -> bool | None:
@@ -258,6 +271,16 @@ def launch_mesh(args: argparse.Namespace, config: Any) -> Any:
     launched = int(os.environ.get("WORLD_SIZE", "1"))
     cp_size = resolve_cp_size(args.cp_size, launched)
     return bd.init_device_mesh(cp_size, config=config) if launched > 1 else None
+
+
+def head_parallel_groups(mesh: Any, config: Any) -> Any:
+    """The head-parallel (Ulysses) subgroups ``config.ulysses_size`` needs on ``mesh`` (``None`` when it is 1 or
+    there is no CP): created once, at setup, by every process (a collective over the world)."""
+    import hf_blockdiag_cp as bd
+
+    if mesh is None or mesh["cp"].size() == 1 or config.ulysses_size == 1:
+        return None
+    return bd.ulysses_groups(mesh, config=config)
 
 
 def trainer_arguments(args: argparse.Namespace, config: Any, output_dir: str) -> dict[str, Any]:
@@ -433,6 +456,9 @@ def report(summary: dict, summary_json: str | None) -> None:
     print("K/V exchanged per step per rank (fwd+bwd, MiB, {}): {}".format(
         summary["kv_exchange_strategy"],
         ", ".join(f"{b / 2**20:.2f}" for b in summary["kv_exchange_bytes_per_step_per_rank"])))
+    if "ulysses_size" in summary:
+        used = summary["ulysses_size_last_step"]
+        print(f"layout: ulysses_size {summary['ulysses_size']} (last step: u={used} x c={summary['cp_size'] // used})")
     parity = summary.get("parity")
     if parity is not None:
         ran = parity_label(summary["world"], summary["dp_size"], summary["cp_size"])

@@ -167,7 +167,8 @@ def main(argv: list[str] | None = None) -> dict:
         from trl import SFTConfig
 
         output_dir = args.output_dir or tempfile.mkdtemp(prefix="sft_trl_cp_")
-        config = bd.BlockDiagCPConfig(backend=args.backend, kv_exchange=args.kv_exchange)
+        config = bd.BlockDiagCPConfig(backend=args.backend, kv_exchange=args.kv_exchange,
+                                      ulysses_size=args.ulysses_size)
         mesh = launch_mesh(args, config)
         sft_args = SFTConfig(**trainer_arguments(args, config, output_dir), max_length=args.seq_len,
                              packing=not args.no_packing, per_device_eval_batch_size=1, dataset_num_proc=None)
@@ -184,9 +185,9 @@ def main(argv: list[str] | None = None) -> dict:
         train = datasets.Dataset.from_list(sft_examples(texts[:split], args.format))
         evaluation = (datasets.Dataset.from_list(sft_examples(texts[split:], args.format)) if split < len(texts)
                       else None)
-        logger.info("%d train / %d eval examples (%s), seq_len %d, world %d = dp %d x cp %d, lora %s", len(train),
-                    len(texts) - split, args.format, args.seq_len, world, coords.dp_size, coords.cp_size,
-                    args.lora)
+        logger.info("%d train / %d eval examples (%s), seq_len %d, world %d = dp %d x cp %d, ulysses_size %s, "
+                    "lora %s", len(train), len(texts) - split, args.format, args.seq_len, world, coords.dp_size,
+                    coords.cp_size, args.ulysses_size, args.lora)
 
         # The reference runs no collective after training: only the main process needs the model copy. Taken
         # before the trainer exists: TRL patches the forward of the model it is given.
@@ -214,6 +215,7 @@ def main(argv: list[str] | None = None) -> dict:
         "peak_memory_kind": "cuda max_memory_allocated" if torch.cuda.is_available() else "process max RSS",
         "kv_exchange_bytes_per_step_per_rank": kvs,
         "kv_exchange_strategy": exchange.strategy if exchange is not None else "none",
+        "ulysses_size": args.ulysses_size, "ulysses_size_last_step": trainer.last_context.ulysses_size,
         "train_rows": len(trainer.train_dataset), "parity": parity,
     }
     if main_process:

@@ -29,6 +29,7 @@ from common import (  # noqa: E402
     chunked_loss_setting,
     example_parser,
     gather_floats,
+    head_parallel_groups,
     load_documents,
     load_model_and_tokenizer,
     one_line_errors,
@@ -48,9 +49,6 @@ def parse_args(argv: list[str] | None = None):
     p.add_argument("--fsdp2", action="store_true",
                    help="shard the model with torch FSDP2 (fully_shard per decoder layer) over all ranks instead of "
                         "DDP; works on CPU too (accelerate's own FSDP config needs GPUs)")
-    p.add_argument("--ulysses-size", default="1", type=lambda v: v if v == "auto" else int(v),
-                   help="CP ranks per head-parallel (Ulysses) subgroup: an int dividing the CP size, or 'auto' (chosen "
-                        "per step by the cost model; see docs/layouts.md). Default 1: sequence parallelism only")
     p.add_argument("--parameter-check-every", type=int, default=100,
                    help="compare the parameters of the CP group at the first step and every N steps (0 = never; "
                         "one pass over the parameters and two small all-gathers per check)")
@@ -148,7 +146,7 @@ def main(argv: list[str] | None = None) -> dict:
         docs = load_documents(args, tokenizer)
         dataset = bd.PackedDataset(docs, args.seq_len, seed=args.seed)
         # Head-parallel subgroups are created once, here, for every u a step may use (collective over the world).
-        groups = bd.ulysses_groups(mesh, config=config) if mesh is not None and args.ulysses_size != 1 else None
+        groups = head_parallel_groups(mesh, config)
         collator = bd.PackingCollator(args.seq_len, group=mesh["cp"] if mesh is not None else None,
                                       pad_token_id=tokenizer.pad_token_id, config=config, model_config=model.config,
                                       ulysses_groups=groups)
@@ -237,6 +235,7 @@ def main(argv: list[str] | None = None) -> dict:
         "peak_memory_kind": "cuda max_memory_allocated" if torch.cuda.is_available() else "process max RSS",
         "kv_exchange_bytes_per_step_per_rank": kv,
         "kv_exchange_strategy": ctx.exchange.strategy if ctx.exchange is not None else "none",
+        "ulysses_size": args.ulysses_size, "ulysses_size_last_step": ctx.ulysses_size,
         "parity": parity,
     }
     if accelerator.is_main_process:

@@ -32,6 +32,7 @@ from common import (  # noqa: E402
     example_parser,
     full_row,
     gather_floats,
+    head_parallel_groups,
     launch_mesh,
     load_documents,
     load_model_and_tokenizer,
@@ -150,7 +151,8 @@ def main(argv: list[str] | None = None) -> dict:
     with one_line_errors():  # set-up mistakes: one line on the main process
         refuse_accelerate_cp()  # before TrainingArguments starts accelerate
         output_dir = args.output_dir or tempfile.mkdtemp(prefix="trainer_packed_cp_")
-        config = bd.BlockDiagCPConfig(backend=args.backend, kv_exchange=args.kv_exchange)
+        config = bd.BlockDiagCPConfig(backend=args.backend, kv_exchange=args.kv_exchange,
+                                      ulysses_size=args.ulysses_size)
         mesh = launch_mesh(args, config)
         targs = TrainingArguments(**trainer_arguments(args, config, output_dir),
                                   dataloader_num_workers=args.num_workers)
@@ -167,11 +169,13 @@ def main(argv: list[str] | None = None) -> dict:
         model = apply_lora(model, args)
         docs = load_documents(args, tokenizer)
         dataset = bd.PackedDataset(docs, args.seq_len, seed=args.seed)
+        # Head-parallel subgroups are created once, here, for every u a step may use (collective over the world).
         collator = bd.PackingCollator(args.seq_len, group=mesh["cp"] if mesh is not None else None,
-                                      pad_token_id=tokenizer.pad_token_id, config=config)
-        logger.info("%d documents (%d tokens), seq_len %d, world %d = dp %d x cp %d, backend %s, kv_exchange %s",
-                    len(docs), sum(len(d["input_ids"]) for d in docs), args.seq_len, world, coords.dp_size,
-                    coords.cp_size, args.backend, args.kv_exchange)
+                                      pad_token_id=tokenizer.pad_token_id, config=config, model_config=model.config,
+                                      ulysses_groups=head_parallel_groups(mesh, config))
+        logger.info("%d documents (%d tokens), seq_len %d, world %d = dp %d x cp %d, backend %s, kv_exchange %s, "
+                    "ulysses_size %s", len(docs), sum(len(d["input_ids"]) for d in docs), args.seq_len, world,
+                    coords.dp_size, coords.cp_size, args.backend, args.kv_exchange, args.ulysses_size)
 
         # The no-CP reference runs no collective after training: only the main process needs the model copy.
         ref_model = copy.deepcopy(model) if args.check_parity and main_process else None
@@ -202,6 +206,7 @@ def main(argv: list[str] | None = None) -> dict:
         "peak_memory_kind": "cuda max_memory_allocated" if torch.cuda.is_available() else "process max RSS",
         "kv_exchange_bytes_per_step_per_rank": kvs,
         "kv_exchange_strategy": exchange.strategy if exchange is not None else "none",
+        "ulysses_size": args.ulysses_size, "ulysses_size_last_step": trainer.last_context.ulysses_size,
         "parity": parity,
     }
     if main_process:

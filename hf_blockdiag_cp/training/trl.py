@@ -32,7 +32,7 @@ from torch.utils.data import IterableDataset as TorchIterableDataset
 from ..config import ATTN_IMPLEMENTATION, BlockDiagCPConfig
 from ..data import PackedDataset, PackedRow, PackingCollator
 from ..model import require_blockdiag_cp
-from .mesh import cp_coordinates
+from .mesh import cp_coordinates, ulysses_groups
 from .trainer import CPTrainer
 
 try:
@@ -97,7 +97,9 @@ class CPSFTTrainer(CPTrainer, SFTTrainer):
     The model must use ``attn_implementation="blockdiag_cp"`` (for a model given by name:
     ``model_init_kwargs={"attn_implementation": "blockdiag_cp"}``). ``data_collator`` may be a
     :class:`~hf_blockdiag_cp.PackingCollator` (or any collator of :class:`PackedRow` items that exposes its CP
-    topology); by default one is built from ``max_length``, the tokenizer's pad token and the mesh. Every
+    topology); by default one is built from ``max_length``, the tokenizer's pad token, the mesh and ``cp_config``
+    (with ``cp_config.ulysses_size != 1`` also the model's heads and the head-parallel subgroups of
+    :func:`~hf_blockdiag_cp.ulysses_groups`, created in the constructor: every process builds its trainer). Every
     :class:`~hf_blockdiag_cp.CPTrainer` check applies (``label_smoothing_factor``, ``compute_loss_func`` and
     accelerate's own ``parallelism_config`` are refused under CP; ``compute_metrics`` gets rows in order).
     """
@@ -177,10 +179,17 @@ class CPSFTTrainer(CPTrainer, SFTTrainer):
                                       "collator at every step, so they cannot be packed into rows beforehand")
         collator = self._cp_collator
         if collator is None:
+            config = self._cp_config or BlockDiagCPConfig()
+            # A head-parallel layout needs the model's heads and the subgroups, created here once (a collective
+            # over the world: every process builds its trainer) for every u a step may use.
+            groups = None
+            if mesh is not None and mesh["cp"].size() > 1 and config.ulysses_size != 1:
+                groups = ulysses_groups(mesh, config=config)
             collator = PackingCollator(args.max_length, group=mesh["cp"] if mesh is not None else None,
                                        pad_token_id=self._tokenizer.pad_token_id,
                                        overflow="split" if args.packing_strategy == "bfd_split" else "truncate",
-                                       config=self._cp_config)
+                                       config=config, model_config=getattr(self.model, "config", None),
+                                       ulysses_groups=groups)
         elif isinstance(collator, PackingCollator) and collator.seq_len != args.max_length:
             raise ValueError(f"the data_collator's seq_len={collator.seq_len} but args.max_length={args.max_length}: "
                              "the rows are packed to max_length; build the collator with the same length")

@@ -31,10 +31,19 @@ def test_benchmarks_doc_names_the_extra_every_script_and_the_plots():
     for script in ROOT.glob("benchmarks/*.py"):
         assert f"benchmarks/{script.name}" in doc, script.name
     # The plot files the doc names are the scripts' defaults.
-    for script, png in (("bench_kernels.py", "bench_kernels.png"), ("bench_balance.py", "bench_balance.png")):
+    for script, png in (("bench_kernels.py", "bench_kernels.png"), ("bench_balance.py", "bench_balance.png"),
+                        ("bench_layout_wall.py", "bench_layout_wall.png")):
         assert f"`{png}`" in doc
         assert re.search(rf'"--out", default="{png}"', (ROOT / "benchmarks" / script).read_text()), script
     assert "bench_cpu.png" not in doc
+
+
+def _bench(name: str):
+    """``benchmarks/<name>.py`` as a module."""
+    spec = importlib.util.spec_from_file_location(name, ROOT / "benchmarks" / f"{name}.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    return bench
 
 
 def test_balance_plot_colours_follow_the_placement():
@@ -44,9 +53,7 @@ def test_balance_plot_colours_follow_the_placement():
     matplotlib.use("Agg")
     from matplotlib.colors import to_rgba
 
-    spec = importlib.util.spec_from_file_location("bench_balance", ROOT / "benchmarks" / "bench_balance.py")
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    bench = _bench("bench_balance")
     results = {(kind, p, scheme): {"remote_mean": 0.1 * p, "imbalance_mean": 1.0 + 0.01 * i}
                for kind in bench.ROWS for p in (2, 4, 8) for i, scheme in enumerate(bench.SCHEMES)}
     fig = bench.balance_figure(results)
@@ -64,3 +71,40 @@ def test_balance_plot_colours_follow_the_placement():
     for scheme in bench.SCHEMES:
         assert to_rgba(legend[scheme].get_color()) == to_rgba(bench.COLORS[scheme])
     assert {"P = 2", "P = 4", "P = 8"} <= set(legend)
+
+
+def test_layout_wall_plot_bars_show_the_u_that_ran(tmp_path):
+    """bench_layout_wall's plot (no gloo run: a made-up table): per P a wall-time and a bytes panel, one bar per
+    requested ulysses_size with its value, coloured by the u that ran (``auto`` hatched, in its choice's colour),
+    and a legend whose colours are those of the bars."""
+    pytest.importorskip("matplotlib")
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from matplotlib.colors import to_rgba
+
+    bench = _bench("bench_layout_wall")
+    results = {2: {1: (1, 35.0, 34.0), 2: (2, 32.0, 320.0), "auto": (1, 28.0, 34.0)},
+               4: {1: (1, 63.0, 48.0), 2: (2, 73.0, 177.0), 4: (4, 61.0, 288.0), "auto": (4, 37.0, 288.0)}}
+    fig = bench.layout_figure(results, 256)
+    panels = [ax for ax in fig.axes if ax.patches]
+    assert len(panels) == 4
+    for col, world in enumerate(sorted(results)):
+        rows = results[world]
+        for row, value in ((0, 1), (1, 2)):
+            ax = fig.axes[row * len(results) + col]
+            bars = ax.patches
+            assert [b.get_height() for b in bars] == [rows[u][value] for u in rows], (world, row)
+            for bar, (u, (chosen, _, _)) in zip(bars, rows.items()):
+                assert to_rgba(bar.get_facecolor()) == to_rgba(bench.U_COLORS[chosen]), (world, u)
+                assert bool(bar.get_hatch()) == (u == "auto"), (world, u)
+            ticks = [t.get_text() for t in ax.get_xticklabels()]
+            assert ticks == [f"{u}\n({rows[u][0]} x {world // rows[u][0]})" for u in rows]
+        assert "P = " + str(world) in fig.axes[col].get_title()
+    legend = {text.get_text(): handle for text, handle in zip(fig.legends[0].get_texts(),
+                                                              fig.legends[0].legend_handles)}
+    for u in (1, 2, 4):
+        assert to_rgba(legend[f"u = {u}"].get_facecolor()) == to_rgba(bench.U_COLORS[u])
+    assert any(h.get_hatch() for h in legend.values())
+    bench.plot(results, 256, str(tmp_path / "wall.png"))
+    assert (tmp_path / "wall.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
