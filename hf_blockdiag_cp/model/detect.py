@@ -30,7 +30,7 @@ from transformers import PreTrainedModel
 
 from ..config import ATTN_IMPLEMENTATION
 
-__all__ = ["UnsupportedModel", "has_absolute_positions", "loss_refusal", "model_type", "packing_refusal", "refuse_bypassing_model",
+__all__ = ["UnsupportedModel", "has_absolute_positions", "loss_refusal", "model_type", "packing_refusal", "padding_refusal", "refuse_bypassing_model",
            "require_blockdiag_cp", "uses_blockdiag_cp"]
 
 #: Class-name patterns of token mixers other than attention (checked against every submodule).
@@ -111,6 +111,29 @@ def packing_refusal(model: torch.nn.Module) -> str | None:
                 "not from each packed document (and not from a context-parallel shard's offset); blockdiag_cp refuses "
                 "rows with more than one document for it")
     return None
+
+
+def padding_refusal(model: torch.nn.Module) -> tuple[int, str] | None:
+    """``(padding_idx, why)`` when a padding token of ``model`` would make every gradient NaN, else ``None``.
+
+    Activation sparsity (gemma3n's ``activation_sparsity_pattern``) takes a standard deviation over each token's
+    hidden state. A row's padding token belongs to no document, so it attends to nothing (stock attention lets a
+    padded query see the real tokens before it); with the embedding's all-zero ``padding_idx`` row its hidden
+    state stays constant, and the standard deviation's gradient there is 0/0: NaN, which reaches every weight's
+    gradient although the padding's loss is ignored."""
+    config = getattr(model, "config", None)
+    text = getattr(config, "get_text_config", None)
+    config = text() if callable(text) else config
+    pattern = getattr(config, "activation_sparsity_pattern", None) or ()
+    embeddings = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    idx = getattr(embeddings, "padding_idx", None)
+    if idx is None or not any(float(v) > 0 for v in pattern):
+        return None
+    return idx, (f"{model_type(model)}'s activation sparsity (activation_sparsity_pattern) takes a standard deviation "
+                 f"over each token's hidden state; a padding token with id {idx} (the embedding's all-zero padding_idx "
+                 "row) belongs to no document, attends to nothing and keeps a constant hidden state, where that "
+                 "standard deviation's gradient is NaN, and every weight's gradient would become NaN. Pad rows with "
+                 f"another token id (PackingCollator(pad_token_id=...), e.g. the EOS id), or fill rows without padding")
 
 
 def loss_refusal(model: torch.nn.Module) -> str | None:

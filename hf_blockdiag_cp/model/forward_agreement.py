@@ -29,6 +29,7 @@ from ..context import BlockDiagCPContext
 from ..distributed.agreement import FORWARD_TENSORS, agree_on_forward, dtype_code
 from ..distributed.groups import GroupRef
 from ..planning.fingerprint import shard_checksum
+from ..planning.layout import config_values
 
 __all__ = ["agree_forward", "forward_count"]
 
@@ -92,8 +93,8 @@ def agree_forward(model: torch.nn.Module, named: dict[str, Any]) -> None:
     config = getattr(model, "config", None)
     get_text = getattr(config, "get_text_config", None)
     config = get_text() if callable(get_text) else config
-    heads = int(getattr(config, "num_attention_heads", 0) or 0)
-    hidden = int(getattr(config, "hidden_size", 0) or 0)
+    heads = _config_int(config, "num_attention_heads")
+    hidden = _config_int(config, "hidden_size")
     fields = {
         "forward": forwards.count,
         "grad_enabled": int(grad),
@@ -103,8 +104,8 @@ def agree_forward(model: torch.nn.Module, named: dict[str, Any]) -> None:
         "kv_dtype": dtype_code(dtype),
         "autocast": int(autocast),
         "num_attention_heads": heads,
-        "num_key_value_heads": int(getattr(config, "num_key_value_heads", None) or heads),
-        "head_dim": int(getattr(config, "head_dim", None) or (hidden // heads if heads else 0)),
+        "num_key_value_heads": _config_int(config, "num_key_value_heads") or heads,
+        "head_dim": _config_int(config, "head_dim") or (hidden // heads if heads else 0),
         "hidden_size": hidden,
     }
     tensors = [named.get(name) for name in FORWARD_TENSORS]
@@ -114,3 +115,13 @@ def agree_forward(model: torch.nn.Module, named: dict[str, Any]) -> None:
     expected = ctx.shard_checksums[ctx.cp_rank] if ctx.shard_checksums else (-1,) * len(FORWARD_TENSORS)
     agree_on_forward(fields, checksums, expected, group=ctx.group, rank=ctx.cp_rank, size=ctx.cp_size,
                      timeout=datetime.timedelta(seconds=ctx.config.collective_timeout_s), device=device)
+
+
+def _config_int(config: object, name: str) -> int:
+    """A model config's int attribute as one number for the agreement: the value (0 when unset), or for one set
+    per layer (heterogeneous configs) a position-weighted sum of the layers' values, so that ranks whose layers
+    differ disagree."""
+    values = config_values(config, name)
+    if len(values) == 1:
+        return int(values[0] or 0)
+    return sum((i + 1) * int(v or 0) for i, v in enumerate(values))

@@ -52,6 +52,7 @@ from .detect import (
     loss_refusal,
     model_type,
     packing_refusal,
+    padding_refusal,
     uses_blockdiag_cp,
 )
 from .forward_agreement import agree_forward
@@ -75,6 +76,7 @@ class ForwardProbe:
         attention_calls: calls of the ``"blockdiag_cp"`` attention function by this model's layers.
         starts: ``attention_calls`` at the start of the forward of each hooked module (by ``id``).
         loss_refusal: why the model's own loss cannot take the collator's ``shift_labels``, or ``None``.
+        padding_refusal: ``(token id, why)`` when that token as row padding would make the gradients NaN.
         cp_context: the ``cp_context`` (CP > 1) of the forward in progress, set by the pre-hook and cleared by
             the post-hook; every attention call inside that forward must receive it.
     """
@@ -85,6 +87,7 @@ class ForwardProbe:
     attention_calls: int = 0
     starts: dict[int, int] = field(default_factory=dict)
     loss_refusal: str | None = None
+    padding_refusal: tuple[int, str] | None = None
     cp_context: Any = None
 
 
@@ -143,6 +146,7 @@ def prepare_model(model: torch.nn.Module, *, strict: bool = False) -> torch.nn.M
     probe.refusal = packing_refusal(model)
     probe.absolute_positions = has_absolute_positions(model)
     probe.loss_refusal = loss_refusal(model)
+    probe.padding_refusal = padding_refusal(model)
     for sub in model.modules():
         sub.__dict__[PROBE_ATTR] = probe
     if isinstance(model, PreTrainedModel) and uses_blockdiag_cp(model):  # its pair refuses for its nested models
@@ -217,6 +221,8 @@ def _refuse(module: torch.nn.Module, probe: ForwardProbe, args: tuple, kwargs: d
     for models with a refusal or absolute positions)."""
     if probe.loss_refusal is not None:
         _refuse_loss(probe, arguments(module, args, kwargs))
+    if probe.padding_refusal is not None:
+        _refuse_padding(probe, arguments(module, args, kwargs))
     if probe.refusal is None and not probe.absolute_positions:
         return
     named = arguments(module, args, kwargs)
@@ -231,6 +237,17 @@ def _refuse(module: torch.nn.Module, probe: ForwardProbe, args: tuple, kwargs: d
             "document after the first would get the positions of its place in the row; pass the per-document "
             "position_ids (PackingCollator and DataCollatorWithFlattening emit them), or call "
             "hf_blockdiag_cp.guard_model(model) to have them supplied from the cp_context")
+
+
+def _refuse_padding(probe: ForwardProbe, named: dict[str, Any]) -> None:
+    """Refuse a packed batch padded with the token whose zero embedding makes the gradients NaN (one read of
+    ``input_ids``, for such models only)."""
+    token, why = probe.padding_refusal
+    ids = named.get("input_ids")
+    if not isinstance(ids, torch.Tensor) or packing(named) is None and named.get("cp_context") is None:
+        return
+    if bool((ids == token).any()):
+        raise UnsupportedModel(f"blockdiag_cp cannot compute this batch (row padding with token {token}) exactly: {why}")
 
 
 def _refuse_loss(probe: ForwardProbe, named: dict[str, Any]) -> None:

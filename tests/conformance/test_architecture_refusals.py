@@ -180,3 +180,32 @@ def test_models_using_loss_function_are_not_refused(name):
     model = cls.__new__(cls)  # loss_refusal reads the class and its forward's source only
     torch.nn.Module.__init__(model)
     assert loss_refusal(model) is None
+
+
+def test_gemma3n_row_padding_with_its_zero_embedding_token_is_refused_and_another_pad_id_is_exact():
+    """The CP = 2 sweep found gemma3n's gradients NaN: the padding the collator adds (token 0, the embedding's
+    zero ``padding_idx`` row) attends to nothing, keeps a constant hidden state, and activation sparsity's
+    standard deviation has a NaN gradient there. Refused with that cause; padding with another id is exact."""
+    from hf_blockdiag_cp.conformance.configs import tiny_config
+    from hf_blockdiag_cp.conformance.runs import build_model, grad_error, make_documents, packed_run, reference_run
+    from hf_blockdiag_cp.data import Document, PackedRow
+
+    config = tiny_config("gemma3n_text")
+    stock = build_model(config, None, 0)
+    ours = build_model(config, "blockdiag_cp", 0)
+    ours.load_state_dict(stock.state_dict())
+    docs = make_documents(config, 0)
+    ref_logits, ref_grads = reference_run(stock, docs)
+    row = PackedRow(tuple(Document(d, d.clone(), 0, i) for i, d in enumerate(docs)))
+    seq_len = sum(len(d) for d in docs) + 3  # three padding tokens at the end of the row
+    for pad in (0, 2):
+        batch = bd.PackingCollator(seq_len, pad_token_id=pad)([row])
+        inputs = {k: batch[k] for k in ("input_ids", "position_ids", "cp_context")}
+        if pad == 0:
+            with pytest.raises(NotImplementedError, match=r"row padding with token 0.*activation sparsity"):
+                packed_run(ours, docs, inputs)
+            continue
+        logits, grads = packed_run(ours, docs, inputs)
+        assert all(torch.isfinite(g).all() for g in grads.values())
+        assert float((logits - ref_logits).abs().max()) <= 1e-5
+        assert grad_error(grads, ref_grads) <= 1e-4
