@@ -94,11 +94,9 @@ def markdown_table(results: Sequence[CheckResult], *, title: str, seconds: float
                    cp2: Sequence[CheckResult] = (), command: str = "") -> str:
     """The sweep as Markdown: counts, refusal causes, the CP = 2 sample, then one row per architecture."""
     counts = _counts(results)
-    if seconds:
-        took = (f" in {seconds / 60:.0f} min on {os.cpu_count()} CPU cores (one subprocess per architecture and "
-                "CP size)")
-    else:  # rewritten from JSON lines: the checks' own times, not the sweep's wall time
-        took = f" ({sum(r.seconds for r in (*results, *cp2)) / 60:.0f} min of checks, summed)"
+    # The checks' own times, summed: a sweep resumed from its JSON lines has a wall time of its last part only.
+    took = (f" ({sum(r.seconds for r in (*results, *cp2)) / 60:.0f} min of checks summed, on {os.cpu_count()} CPU "
+            "cores; every check in a subprocess, so a crash or a hang cannot stop the sweep)")
     command = command or "python -m hf_blockdiag_cp.check --all --cp2-sample 12 --markdown docs/models.md"
     lines = [
         f"# {title}",
