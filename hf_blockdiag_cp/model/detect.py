@@ -125,9 +125,14 @@ def padding_refusal(model: torch.nn.Module) -> tuple[int, str] | None:
     text = getattr(config, "get_text_config", None)
     config = text() if callable(text) else config
     pattern = getattr(config, "activation_sparsity_pattern", None) or ()
-    embeddings = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    if not any(float(v) > 0 for v in pattern):
+        return None
+    try:
+        embeddings = model.get_input_embeddings()
+    except (AttributeError, NotImplementedError):  # wrappers (e.g. BartDecoderWrapper) that do not expose them
+        return None
     idx = getattr(embeddings, "padding_idx", None)
-    if idx is None or not any(float(v) > 0 for v in pattern):
+    if idx is None:
         return None
     return idx, (f"{model_type(model)}'s activation sparsity (activation_sparsity_pattern) takes a standard deviation "
                  f"over each token's hidden state; a padding token with id {idx} (the embedding's all-zero padding_idx "

@@ -138,10 +138,10 @@ FORWARD = {
 }
 
 
-def _worker(rank, world, names, ports, cp_size, log_dir):
+def _worker(rank, world, names, ports, cp_size, log_dir, timeout_s):
     """The harness's worker with this file's scenarios registered (in the spawned rank)."""
     harness.SCENARIOS.update(FORWARD)
-    harness._scenario_worker(rank, world, names, ports, cp_size, log_dir)
+    harness._scenario_worker(rank, world, names, ports, cp_size, log_dir, timeout_s)
 
 
 def _run(names: list[str], world: int = 2) -> dict[str, list]:

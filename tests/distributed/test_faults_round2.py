@@ -177,11 +177,11 @@ ROUND2 = {
 }
 
 
-def _worker(rank, world, names, ports, cp_size, log_dir):
+def _worker(rank, world, names, ports, cp_size, log_dir, timeout_s):
     """The harness's worker with this file's scenarios registered (runs in a spawned rank, where the
     harness module is freshly imported and unpatched)."""
     harness.SCENARIOS.update(ROUND2)
-    harness._scenario_worker(rank, world, names, ports, cp_size, log_dir)
+    harness._scenario_worker(rank, world, names, ports, cp_size, log_dir, timeout_s)
 
 
 def _run(names: list[str]) -> dict[str, list]:
