@@ -13,6 +13,7 @@ import json
 import os
 import sys
 import sysconfig
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -362,9 +363,17 @@ def _raised_here(err: BaseException) -> bool:
     return module.split(".")[0] == "hf_blockdiag_cp" or in_examples
 
 
+#: Seconds a process other than the main one waits before it exits on a set-up error. The main process meets the
+#: same error, prints it and exits, and the launcher (torchrun) then ends the others; were another process to exit
+#: first, torchrun would end the main one before it printed anything (seen on a loaded machine).
+OTHER_RANKS_EXIT_AFTER_S = 10.0
+
+
 def _exit_with(message: str) -> None:
     if launched_rank() == 0:
         print(f"error: {message}", file=sys.stderr, flush=True)
+    else:
+        time.sleep(OTHER_RANKS_EXIT_AFTER_S)
     raise SystemExit(2)
 
 

@@ -113,9 +113,11 @@ def run_ranks(fn: Callable, world_size: int, *args: Any, timeout: float = 180.0,
 
 
 def _spawn_and_collect(fn: Callable, world_size: int, args: tuple, port: int, timeout: float, env: dict,
-                       pg_timeout_s: float, entry: Callable = _entry) -> dict[int, tuple[str, Any]]:
+                       pg_timeout_s: float, entry: Callable = _entry, stop_on_failure: bool = False
+                       ) -> dict[int, tuple[str, Any]]:
     """Start the ranks (``entry`` in each), gather ``{rank: (status, payload)}``, and return only once every
-    rank has exited."""
+    rank has exited. ``stop_on_failure``: as torchrun does, the first rank to fail (an error, or a non-zero
+    exit status as its payload) has the others terminated (SIGTERM)."""
     ctx = _rank_context()
     results = ctx.Queue()
     parent_env = dict(os.environ)
@@ -134,6 +136,10 @@ def _spawn_and_collect(fn: Callable, world_size: int, args: tuple, port: int, ti
             try:
                 rank, status, payload = results.get(timeout=min(remaining, 1.0))
                 outcome[rank] = (status, payload)
+                if stop_on_failure and (status != "ok" or payload):
+                    for other, p in enumerate(procs):
+                        if other not in outcome and p.is_alive():
+                            p.terminate()
             except queue.Empty:
                 dead = [r for r, p in enumerate(procs) if not p.is_alive() and r not in outcome and p.exitcode]
                 if dead and all(not p.is_alive() for p in procs):
@@ -238,13 +244,14 @@ def run_example(script: str, *args: str, world_size: int = 2, timeout: float = 3
     launch --config_file configs/accelerate/cpu_cp2.yaml`` starts it (the environment torchrun gives its
     workers, the ranks connecting to a store this process serves), without each rank importing torch,
     transformers and the package again (~10 s of a launch on 2 cores). :func:`launch_example` remains the
-    test of the launcher itself. ``output``: rank 0's stdout and stderr, then the other ranks' in order;
-    ``returncode``: the first non-zero exit status of a rank (0 when all succeed)."""
+    test of the launcher itself. As under torchrun, the first rank to fail has the others terminated.
+    ``output``: rank 0's stdout and stderr, then the other ranks' in order; ``returncode``: the first non-zero
+    exit status of a rank (0 when all succeed)."""
     import tempfile
 
     with tempfile.TemporaryDirectory() as log_dir, hosted_stores(1) as (port,):
         outcome = _spawn_and_collect(script, world_size, args, port, timeout, {**(env or {}), "_LOG_DIR": log_dir},
-                                     60.0, entry=_example_entry)
+                                     60.0, entry=_example_entry, stop_on_failure=True)
         output = "".join(Path(log_dir, f"rank{r}.log").read_text(errors="replace") if Path(log_dir, f"rank{r}.log")
                          .exists() else "" for r in range(world_size))
     codes = [payload if status == "ok" else 1 for status, payload in (outcome[r] for r in range(world_size))]

@@ -101,7 +101,10 @@ _NEWCOMER_SCRIPT = """
 import json, sys, warnings
 sys.path.insert(0, "examples")
 import transformers
+import common
 from common import example_parser, one_line_errors, quiet_other_ranks, trainer_arguments
+
+common.OTHER_RANKS_EXIT_AFTER_S = 0.0  # what it prints is checked here; the wait: test_other_ranks_wait_...
 
 config = transformers.LlamaConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
                                   num_key_value_heads=1, vocab_size=64)
@@ -182,3 +185,25 @@ def test_example_with_ulysses_size_keeps_parity(tmp_path):
                      "--check-parity", "--ulysses-size", "2", launcher=False)
     assert result["parity"]["abs_loss_diff"] <= 1e-5 and result["parity"]["max_grad_diff"] <= 1e-4
     assert "ulysses_size 2" in result["stdout"]
+
+
+def test_other_ranks_wait_before_exiting_on_a_set_up_error(monkeypatch, capsys):
+    """torchrun ends every process when one exits: a process other than the main one must not exit first on a
+    set-up error (the main one would be ended before it printed the error line)."""
+    import sys
+
+    sys.path.insert(0, str(ROOT / "examples"))
+    import common
+
+    waits = []
+    monkeypatch.setattr(common.time, "sleep", waits.append)
+    for rank, expected_waits in (("1", [common.OTHER_RANKS_EXIT_AFTER_S]), ("0", [])):
+        waits.clear()
+        monkeypatch.setenv("RANK", rank)
+        with pytest.raises(SystemExit) as exit_:
+            with common.one_line_errors():
+                raise SystemExit("--cp-size 3 does not divide the 2 launched processes")
+        assert exit_.value.code == 2 and waits == expected_waits
+        err = capsys.readouterr().err
+        assert err == ("" if rank == "1" else "error: --cp-size 3 does not divide the 2 launched processes\n"), err
+    assert common.OTHER_RANKS_EXIT_AFTER_S >= 5
