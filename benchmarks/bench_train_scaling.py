@@ -7,7 +7,8 @@ the same total sequence length, and reads each run's --summary-json.
 
     python benchmarks/bench_train_scaling.py --seq-lens 8192 32768 --steps 4
     python benchmarks/bench_train_scaling.py --max-memory-gib 20 --steps 1 -- --max-chars 4096  # longest seq_len
-    python benchmarks/bench_train_scaling.py --real-vocab --own-seq-lens 1024 2048 --seq-lens 2048 4096 --steps 1
+    python benchmarks/bench_train_scaling.py --real-vocab --own-seq-lens 1024 2048 --seq-lens 2048 4096 --steps 1 \\
+        --cp-sizes 1 2
 """
 
 from __future__ import annotations
@@ -115,18 +116,20 @@ def longest(cp: int, budget_gib: float, steps: int, start: int, extra: list[str]
     print(f"| {cp} | no length above {x1} fits | {budget_gib} GiB {scope_text} |", flush=True)
 
 
-# ---- real vocabulary: the model's own loss vs bd.chunked_causal_lm_loss (CP = 1, in a child process per run) ----
+# ---- real vocabulary: the model's own loss vs bd.chunked_causal_lm_loss (a child process, or torchrun, per run) ----
 
 #: Llama-3's vocabulary on a small body: the head dominates memory, as in the issue's shape.
 REAL_VOCAB = dict(vocab_size=128256, hidden_size=512, intermediate_size=1536, num_hidden_layers=2,
                   num_attention_heads=8, num_key_value_heads=2, rms_norm_eps=1e-5)
 
 
-def real_vocab_child(spec: dict) -> dict:
-    """One run: build the model, measure a step's fwd+bwd (tensor peak op by op, then process peak RSS), time steps.
+def real_vocab_child(spec: dict) -> dict | None:
+    """One run on this process (one CP rank under torchrun): build the model, measure a step's fwd+bwd (tensor peak
+    op by op, then process peak RSS), time steps. Under torchrun the row is sharded over the ranks; the largest
+    per-rank numbers are returned by rank 0 (``None`` on the others).
 
-    ``spec``: ``loss`` ("own" | "chunked"), ``seq_len``, ``checkpointing``, ``steps`` (timed steps after the
-    measured one), ``chunk_size``.
+    ``spec``: ``loss`` ("own" | "chunked"), ``seq_len`` (the whole row), ``checkpointing``, ``steps`` (timed steps
+    after the measured one), ``chunk_size``.
     """
     import resource
 
@@ -139,6 +142,8 @@ def real_vocab_child(spec: dict) -> dict:
 
     torch.set_num_threads(1)
     torch.manual_seed(0)
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    mesh = bd.init_device_mesh(world) if world > 1 else None  # dp 1 x cp world
     seq_len = spec["seq_len"]
     model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**REAL_VOCAB, max_position_embeddings=seq_len))
     model.set_attn_implementation("blockdiag_cp")
@@ -148,7 +153,7 @@ def real_vocab_child(spec: dict) -> dict:
     gen = torch.Generator().manual_seed(1)
     docs = [{"input_ids": torch.randint(1, REAL_VOCAB["vocab_size"], (512,), generator=gen).tolist()}
             for _ in range(seq_len // 512)]
-    batch = bd.PackingCollator(seq_len, pad_token_id=0)(docs)
+    batch = bd.PackingCollator(seq_len, pad_token_id=0, group=mesh["cp"] if mesh is not None else None)(docs)
 
     def step() -> float:
         if spec["loss"] == "chunked":
@@ -164,51 +169,69 @@ def real_vocab_child(spec: dict) -> dict:
         base_rss = int(f.read().split()[1]) * page
     with TensorMemory() as mem:
         step()
-    times = []  # CPU seconds (one thread): on a shared machine wall time measures the neighbours
+    cpu = 0.0  # CPU seconds (one thread per rank): on a shared machine wall time measures the neighbours
     for _ in range(spec["steps"]):
         start = time.process_time()
         step()
-        times.append(time.process_time() - start)
+        cpu += time.process_time() - start
     peak_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    return {**spec, "tensor_peak_gib": mem.peak_bytes / 2**30, "largest_tensor_elems": mem.largest_numel,
-            "base_rss_gib": base_rss / 2**30, "peak_rss_gib": peak_rss / 2**30,
-            "tokens_per_cpu_s": seq_len * len(times) / sum(times) if times else None}
+    mine = {"tensor_peak_gib": mem.peak_bytes / 2**30, "largest_tensor_elems": mem.largest_numel,
+            "base_rss_gib": base_rss / 2**30, "peak_rss_gib": peak_rss / 2**30, "cpu_s": cpu}
+    ranks = [mine]
+    if mesh is not None:
+        import torch.distributed as dist
+
+        ranks = [None] * world
+        dist.all_gather_object(ranks, mine)
+        if dist.get_rank() != 0:
+            return None
+    worst = {k: max(r[k] for r in ranks) for k in mine if k != "cpu_s"}  # per rank: the largest
+    total_cpu = sum(r["cpu_s"] for r in ranks)
+    return {**spec, "cp_size": world, **worst,
+            "tokens_per_cpu_s": seq_len * spec["steps"] / total_cpu if spec["steps"] else None}
 
 
-def real_vocab_run(spec: dict) -> dict | None:
-    proc = subprocess.run([sys.executable, __file__, "--real-vocab-child", json.dumps(spec)], cwd=ROOT,
-                          capture_output=True, text=True, env={**os.environ})
+def real_vocab_run(spec: dict, cp_size: int = 1) -> dict | None:
+    """:func:`real_vocab_child` in a fresh process (``cp_size`` 1), or on ``cp_size`` gloo ranks under torchrun
+    (its standalone rendezvous: the launcher binds and serves the store)."""
+    launcher = [] if cp_size == 1 else ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(cp_size)]
+    proc = subprocess.run([sys.executable, *launcher, __file__, "--real-vocab-child", json.dumps(spec)], cwd=ROOT,
+                          capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
     if proc.returncode != 0:
-        sys.stderr.write(f"{spec} failed (exit {proc.returncode}):\n{proc.stderr[-2000:]}\n")
+        sys.stderr.write(f"{spec} at CP={cp_size} failed (exit {proc.returncode}):\n{proc.stderr[-2000:]}\n")
         return None
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return json.loads([line for line in proc.stdout.splitlines() if line.startswith("{")][-1])
 
 
-def real_vocab_table(cases: list[tuple[str, bool, list[int]]], steps: int, chunk_size: int, budget_gib: float) -> None:
-    """Per (loss, checkpointing): a row per measured length, then the longest row within ``budget_gib``,
-    extrapolated linearly from the two longest measured rows (peak RSS of the process, parameters included)."""
-    print(f"| loss | checkpointing | L | tensor peak fwd+bwd (GiB) | largest tensor (elements) | peak RSS (GiB) | "
-          f"tokens per CPU-second (1 thread) |\n|---|---|---:|---:|---:|---:|---:|")
+def real_vocab_table(cases: list[tuple[str, bool, list[int]]], cp_sizes: list[int], steps: int, chunk_size: int,
+                     budget_gib: float) -> None:
+    """Per (CP size, loss, checkpointing): a row per measured length (memory per rank: the largest rank's), then
+    the longest row within ``budget_gib`` per rank, extrapolated linearly from the two longest measured rows
+    (peak RSS of the process, parameters included)."""
+    print(f"| CP | loss | checkpointing | L (row) | tensor peak fwd+bwd per rank (GiB) | largest tensor (elements) | "
+          f"peak RSS per rank (GiB) | tokens per CPU-second (1 thread per rank) |\n|---:|---|---|---:|---:|---:|---:|---:|")
     longest = []
-    for loss, checkpointing, seq_lens in cases:
-        points = []
-        for seq_len in seq_lens:
-            r = real_vocab_run(dict(loss=loss, seq_len=seq_len, checkpointing=checkpointing, steps=steps,
-                                    chunk_size=chunk_size))
-            if r is None:
-                print(f"| {loss} | {checkpointing} | {seq_len} | failed | | | |", flush=True)
-                continue
-            points.append((seq_len, r["peak_rss_gib"]))
-            print(f"| {loss} | {checkpointing} | {seq_len} | {r['tensor_peak_gib']:.2f} | {r['largest_tensor_elems']:,} "
-                  f"| {r['peak_rss_gib']:.2f} | {r['tokens_per_cpu_s'] or float('nan'):,.1f} |", flush=True)
-        if len(points) >= 2:
-            (x0, y0), (x1, y1) = points[-2], points[-1]
-            slope = (y1 - y0) / (x1 - x0)
-            longest.append((loss, checkpointing, int(x1 + (budget_gib - y1) / slope), slope * 2**30 / 1024))
-    print(f"\n| loss | checkpointing | longest row within {budget_gib} GiB (extrapolated) | peak RSS per token |"
-          "\n|---|---|---:|---:|")
-    for loss, checkpointing, tokens, per_token in longest:
-        print(f"| {loss} | {checkpointing} | ~{tokens:,} | {per_token:.0f} KiB |", flush=True)
+    for cp in cp_sizes:
+        for loss, checkpointing, seq_lens in cases:
+            points = []
+            for seq_len in seq_lens:
+                r = real_vocab_run(dict(loss=loss, seq_len=seq_len, checkpointing=checkpointing, steps=steps,
+                                        chunk_size=chunk_size), cp)
+                if r is None:
+                    print(f"| {cp} | {loss} | {checkpointing} | {seq_len} | failed | | | |", flush=True)
+                    continue
+                points.append((seq_len, r["peak_rss_gib"]))
+                print(f"| {cp} | {loss} | {checkpointing} | {seq_len} | {r['tensor_peak_gib']:.2f} | "
+                      f"{r['largest_tensor_elems']:,} | {r['peak_rss_gib']:.2f} | "
+                      f"{r['tokens_per_cpu_s'] or float('nan'):,.1f} |", flush=True)
+            if len(points) >= 2:
+                (x0, y0), (x1, y1) = points[-2], points[-1]
+                slope = (y1 - y0) / (x1 - x0)
+                longest.append((cp, loss, checkpointing, int(x1 + (budget_gib - y1) / slope), slope * 2**30 / 1024))
+    print(f"\n| CP | loss | checkpointing | longest row within {budget_gib} GiB per rank (extrapolated) | peak RSS per "
+          "rank per row token |\n|---:|---|---|---:|---:|")
+    for cp, loss, checkpointing, tokens, per_token in longest:
+        print(f"| {cp} | {loss} | {checkpointing} | ~{tokens:,} | {per_token:.0f} KiB |", flush=True)
 
 
 def main() -> None:
@@ -222,8 +245,8 @@ def main() -> None:
                    help="budget per rank, or for the CP ranks together (when they share one machine's memory)")
     p.add_argument("--cp-sizes", type=int, nargs="+", default=[1, 2], choices=[1, 2], help="CP sizes to run")
     p.add_argument("--real-vocab", action="store_true",
-                   help="CP = 1, Llama-3 vocabulary (128,256), hidden 512, 2 layers: the model's own loss at "
-                        "--own-seq-lens vs the chunked loss at --seq-lens (with and without checkpointing)")
+                   help="Llama-3 vocabulary (128,256), hidden 512, 2 layers, at each of --cp-sizes: the model's own "
+                        "loss at --own-seq-lens vs the chunked loss at --seq-lens (with and without checkpointing)")
     p.add_argument("--own-seq-lens", type=int, nargs="+", default=[1024, 2048],
                    help="--real-vocab: row lengths measured with the model's own loss (keep small: ~1.5 MiB per token)")
     p.add_argument("--chunk-size", type=int, default=256, help="--real-vocab: tokens per chunk of the chunked loss")
@@ -233,11 +256,14 @@ def main() -> None:
     p.add_argument("extra", nargs="*", help="more options for the example (after --)")
     args = p.parse_args()
     if args.real_vocab_child is not None:
-        print(json.dumps(real_vocab_child(json.loads(args.real_vocab_child))))
+        result = real_vocab_child(json.loads(args.real_vocab_child))
+        if result is not None:  # rank 0 (or the one process)
+            print(json.dumps(result))
         return
     if args.real_vocab:
         real_vocab_table([("own", False, args.own_seq_lens), ("chunked", False, args.seq_lens),
-                          ("chunked", True, args.seq_lens)], args.steps, args.chunk_size, args.budget_gib)
+                          ("chunked", True, args.seq_lens)], args.cp_sizes, args.steps, args.chunk_size,
+                         args.budget_gib)
         return
     if args.max_memory_gib is None:
         table(args.seq_lens, args.cp_sizes, args.steps, args.extra)
