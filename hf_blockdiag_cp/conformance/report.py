@@ -92,7 +92,8 @@ def _num(value: float | None) -> str:
 
 def markdown_table(results: Sequence[CheckResult], *, title: str, seconds: float | None,
                    cp2: Sequence[CheckResult] = (), command: str = "") -> str:
-    """The sweep as Markdown: counts, refusal causes, the CP = 2 sample, then one row per architecture."""
+    """The sweep as Markdown: counts, refusal causes, the CP = 2 sample, then one row per architecture.
+    ``seconds`` (the sweep's wall time) is accepted but not shown: the page states the checks' summed time."""
     counts = _counts(results)
     # The checks' own times, summed: a sweep resumed from its JSON lines has a wall time of its last part only.
     took = (f" ({sum(r.seconds for r in (*results, *cp2)) / 60:.0f} min of checks summed, on {os.cpu_count()} CPU "
