@@ -274,6 +274,13 @@ def launch_mesh(args: argparse.Namespace, config: Any) -> Any:
     return bd.init_device_mesh(cp_size, config=config) if launched > 1 else None
 
 
+def cp_config(args: argparse.Namespace) -> Any:
+    """The ``BlockDiagCPConfig`` of the shared options (``--backend``, ``--kv-exchange``, ``--ulysses-size``)."""
+    import hf_blockdiag_cp as bd
+
+    return bd.BlockDiagCPConfig(backend=args.backend, kv_exchange=args.kv_exchange, ulysses_size=args.ulysses_size)
+
+
 def head_parallel_groups(mesh: Any, config: Any) -> Any:
     """The head-parallel (Ulysses) subgroups ``config.ulysses_size`` needs on ``mesh`` (``None`` when it is 1 or
     there is no CP): created once, at setup, by every process (a collective over the world)."""

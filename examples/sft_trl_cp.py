@@ -28,9 +28,10 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import hf_blockdiag_cp as bd  # noqa: E402  (registers attn_implementation="blockdiag_cp")
 from common import (  # noqa: E402
-    chunked_loss_setting,
     apply_lora,
     byte_chat_tokenizer,
+    chunked_loss_setting,
+    cp_config,
     example_parser,
     full_row,
     launch_mesh,
@@ -167,8 +168,7 @@ def main(argv: list[str] | None = None) -> dict:
         from trl import SFTConfig
 
         output_dir = args.output_dir or tempfile.mkdtemp(prefix="sft_trl_cp_")
-        config = bd.BlockDiagCPConfig(backend=args.backend, kv_exchange=args.kv_exchange,
-                                      ulysses_size=args.ulysses_size)
+        config = cp_config(args)
         mesh = launch_mesh(args, config)
         sft_args = SFTConfig(**trainer_arguments(args, config, output_dir), max_length=args.seq_len,
                              packing=not args.no_packing, per_device_eval_batch_size=1, dataset_num_proc=None)

@@ -27,6 +27,7 @@ import hf_blockdiag_cp as bd  # noqa: E402  (registers attn_implementation="bloc
 from common import (  # noqa: E402
     apply_lora,
     chunked_loss_setting,
+    cp_config,
     example_parser,
     gather_floats,
     head_parallel_groups,
@@ -122,7 +123,7 @@ def main(argv: list[str] | None = None) -> dict:
         from accelerate import Accelerator
         from accelerate.utils import InitProcessGroupKwargs
 
-        config = bd.BlockDiagCPConfig(backend=args.backend, kv_exchange=args.kv_exchange, ulysses_size=args.ulysses_size)
+        config = cp_config(args)
         # On CPU, accelerate spawns several processes only through its torchrun path (distributed_type
         # MULTI_GPU in the config); cpu=True then makes it a gloo MULTI_CPU run. The process group's
         # timeout follows HF_BLOCKDIAG_CP_COLLECTIVE_TIMEOUT_S: DDP's collectives would otherwise wait 30

@@ -27,8 +27,9 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import hf_blockdiag_cp as bd  # noqa: E402  (registers attn_implementation="blockdiag_cp")
 from common import (  # noqa: E402
-    chunked_loss_setting,
     apply_lora,
+    chunked_loss_setting,
+    cp_config,
     example_parser,
     full_row,
     gather_floats,
@@ -151,8 +152,7 @@ def main(argv: list[str] | None = None) -> dict:
     with one_line_errors():  # set-up mistakes: one line on the main process
         refuse_accelerate_cp()  # before TrainingArguments starts accelerate
         output_dir = args.output_dir or tempfile.mkdtemp(prefix="trainer_packed_cp_")
-        config = bd.BlockDiagCPConfig(backend=args.backend, kv_exchange=args.kv_exchange,
-                                      ulysses_size=args.ulysses_size)
+        config = cp_config(args)
         mesh = launch_mesh(args, config)
         targs = TrainingArguments(**trainer_arguments(args, config, output_dir),
                                   dataloader_num_workers=args.num_workers)
