@@ -56,6 +56,7 @@ from .detect import (
     uses_blockdiag_cp,
 )
 from .forward_agreement import agree_forward
+from .moe_aux import exact_router_aux_loss
 
 __all__ = ["PROBE_ATTR", "ForwardProbe", "Preparation", "check_context_reached", "mark_attention_call", "package_hooks", "prepare_model",
            "unprepare_model"]
@@ -160,7 +161,9 @@ def prepare_model(model: torch.nn.Module, *, strict: bool = False) -> torch.nn.M
         own.strict = own.strict or strict
         return model
     handles = (model.register_forward_pre_hook(_pre_forward, with_kwargs=True),
-               model.register_forward_hook(_post_forward, with_kwargs=True))
+               # always_call: a forward that raises (an OOM caught by the loop, a refusal) must still clear
+               # the probe, or the next forward of a nested pair would see a stale entry and skip agreeing.
+               model.register_forward_hook(_post_forward, with_kwargs=True, always_call=True))
     model.__dict__[PREPARATION_ATTR] = Preparation(strict, positional_index(model, "position_ids"), handles)
     return model
 
@@ -203,6 +206,8 @@ def _pre_forward(module: torch.nn.Module, args: tuple,
         if filled is not None:
             args, kwargs = filled
     if uses_blockdiag_cp(module):
+        if id(module) in probe.starts:  # an earlier forward of this module never finished (BaseException, compile)
+            probe.starts.clear()
         probe.starts[id(module)] = probe.attention_calls
         ctx = kwargs.get("cp_context")
         probe.cp_context = ctx if getattr(ctx, "cp_size", 1) > 1 else None
@@ -263,12 +268,22 @@ def _refuse_loss(probe: ForwardProbe, named: dict[str, Any]) -> None:
 
 
 def _post_forward(module: torch.nn.Module, args: tuple, kwargs: dict[str, Any], output: Any) -> None:
-    """Refuse a forward with packing information in which the attention function never ran."""
+    """Refuse a forward with packing information in which the attention function never ran.
+
+    Also runs when the forward (or a pre-hook) raised, with ``output=None``: it then only clears this forward's
+    state, so that the next forward agrees again and a later call without a ``cp_context`` is not refused.
+    """
     probe: ForwardProbe | None = module.__dict__.get(PROBE_ATTR)
     if probe is None or not uses_blockdiag_cp(module):
         return
-    probe.cp_context = None
     start = probe.starts.pop(id(module), None)
+    if not probe.starts:  # the outermost prepared module's forward ended: no cp_context is in flight
+        probe.cp_context = None
+    if output is None:
+        return
+    if isinstance(module, PreTrainedModel) and getattr(kwargs.get("cp_context"), "cp_size", 1) > 1:
+        # MoE: the row's router loss, counted once over the CP ranks (the causal LM's own hook, not a wrapper's)
+        exact_router_aux_loss(module, arguments(module, args, kwargs), output)
     if start is None or probe.attention_calls != start:
         return
     found = packing(arguments(module, args, kwargs))
