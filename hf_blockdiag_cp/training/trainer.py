@@ -320,9 +320,15 @@ class CPTrainer(Trainer):
         return Trainer.compute_loss(self, loss_only, inputs, num_items_in_batch=num_items_in_batch)
 
     def _get_num_items_in_batch(self, batch_samples: list, device: torch.device) -> torch.Tensor | int | None:
-        """The stock global target count, at least 1: a step whose labels are all ignored gets loss 0 and zero
-        gradients instead of ``0 / 0 = NaN`` (the collator warns; a device-side clamp, no host read)."""
+        """The stock global target count, in training at least 1: a step whose labels are all ignored gets loss 0 and
+        zero gradients instead of ``0 / 0 = NaN`` (the collator warns; a device-side clamp, no host read).
+
+        Not in evaluation: there the stock loop drops a step's ``NaN`` loss from ``eval_loss`` (the true mean over the
+        steps with targets), where a clamped 0 would be averaged in.
+        """
         count = super()._get_num_items_in_batch(batch_samples, device)
+        if not getattr(self.model, "training", True):
+            return count
         if isinstance(count, torch.Tensor):
             return count.clamp_min(1)
         return count if count is None else max(count, 1)
