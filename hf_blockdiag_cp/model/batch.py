@@ -17,7 +17,7 @@ from ..distributed.groups import created_cp_size
 from ..planning.documents import run_boundaries
 from .detect import require_blockdiag_cp
 
-__all__ = ["arguments", "check_batch", "check_cp_batch", "context_position_ids", "fill_position_ids", "packing", "positional_index"]
+__all__ = ["arguments", "check_batch", "check_cp_loss_count", "check_cp_batch", "context_position_ids", "fill_position_ids", "packing", "positional_index"]
 
 
 def check_batch(model: torch.nn.Module, kwargs: dict[str, Any]) -> None:
@@ -34,6 +34,24 @@ def check_batch(model: torch.nn.Module, kwargs: dict[str, Any]) -> None:
             "a context-parallel batch carries labels but no shift_labels: the model would shift the labels of "
             "each shard locally, which is wrong at every rank boundary; build batches with "
             "hf_blockdiag_cp.PackingCollator (it adds shift_labels computed on the full row)")
+
+
+def check_cp_loss_count(named: dict[str, Any], what: str = "the model's loss") -> None:
+    """Raise ``ValueError`` for a CP batch (``cp_size > 1``) with targets but no ``num_items_in_batch``.
+
+    Without the row's target count each rank divides its shard's summed loss by its *own* targets: a per-shard mean,
+    and the losses (and gradients) summed over the ranks are wrong by the shard sizes, silently.
+    """
+    ctx = named.get("cp_context")
+    if getattr(ctx, "cp_size", 1) <= 1 or named.get("num_items_in_batch") is not None:
+        return
+    if named.get("labels") is None and named.get("shift_labels") is None:
+        return
+    raise ValueError(
+        f"a context-parallel batch carries targets but no num_items_in_batch: {what} would be each shard's own mean "
+        "(summed over the CP ranks, wrong by the shard sizes); pass the row's target count as num_items_in_batch "
+        "(hf_blockdiag_cp.PackingCollator's batches carry it; hf_blockdiag_cp.normalize_num_items divides it for "
+        "DDP/FSDP)")
 
 
 def check_cp_batch(kwargs: dict[str, Any]) -> None:

@@ -45,7 +45,7 @@ from torch.utils.hooks import RemovableHandle
 from transformers import PreTrainedModel
 
 from ..compat import forward_hooks
-from .batch import arguments, check_batch, fill_position_ids, packing, positional_index
+from .batch import arguments, check_batch, check_cp_loss_count, fill_position_ids, packing, positional_index
 from .detect import (
     UnsupportedModel,
     has_absolute_positions,
@@ -224,6 +224,8 @@ def _pre_forward(module: torch.nn.Module, args: tuple,
 def _refuse(module: torch.nn.Module, probe: ForwardProbe, args: tuple, kwargs: dict[str, Any]) -> None:
     """Raise :class:`UnsupportedModel` for a batch the model cannot compute exactly (reads tensor values only
     for models with a refusal or absolute positions)."""
+    if getattr(kwargs.get("cp_context"), "cp_size", 1) > 1:
+        check_cp_loss_count(arguments(module, args, kwargs))
     if probe.loss_refusal is not None:
         _refuse_loss(probe, arguments(module, args, kwargs))
     if probe.padding_refusal is not None:

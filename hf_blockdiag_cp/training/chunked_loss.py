@@ -28,6 +28,7 @@ import transformers
 from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
 from torch.utils.checkpoint import checkpoint
 from transformers.loss.loss_utils import ForCausalLMLoss
+from ..model.batch import check_cp_loss_count
 
 __all__ = ["DEFAULT_CHUNK_SIZE", "HEADS", "check_chunked_loss", "chunked_causal_lm_loss"]
 
@@ -162,7 +163,8 @@ def chunked_causal_lm_loss(model: torch.nn.Module, batch: Mapping[str, Any], *,
         chunk_size: tokens (over the flattened ``B * L``) projected onto the vocabulary at once.
         num_items_in_batch: the loss is ``sum / num_items_in_batch``; default: the batch's
             ``num_items_in_batch`` (:func:`~hf_blockdiag_cp.normalize_num_items`' ``N / W`` under a mesh, or the
-            Trainer's count); without either, the mean over this batch's targets — all as the model's own loss.
+            Trainer's count); without either, the mean over this batch's targets — all as the model's own loss (under
+            CP, refused: it would be each shard's own mean).
 
     Returns the scalar loss (fp32, or the count's dtype if wider); the model's output logits are not built.
     """
@@ -175,6 +177,7 @@ def chunked_causal_lm_loss(model: torch.nn.Module, batch: Mapping[str, Any], *,
     transform = _logit_transform(base)
     if num_items_in_batch is None:
         num_items_in_batch = batch.get("num_items_in_batch")
+    check_cp_loss_count({**batch, "num_items_in_batch": num_items_in_batch}, "chunked_causal_lm_loss")
     targets = _targets(batch)
     inputs = {k: v for k, v in batch.items() if k not in ("labels", "shift_labels", "num_items_in_batch")}
 
