@@ -56,6 +56,7 @@ from .detect import (
     uses_blockdiag_cp,
 )
 from .forward_agreement import agree_forward
+from .heads import check_logits_to_keep, row_pooling_refusal
 from .moe_aux import exact_router_aux_loss
 
 __all__ = ["PROBE_ATTR", "ForwardProbe", "Preparation", "check_context_reached", "mark_attention_call", "package_hooks", "prepare_model",
@@ -80,6 +81,7 @@ class ForwardProbe:
         padding_refusal: ``(token id, why)`` when that token as row padding would make the gradients NaN.
         cp_context: the ``cp_context`` (CP > 1) of the forward in progress, set by the pre-hook and cleared by
             the post-hook; every attention call inside that forward must receive it.
+        head_refusal: why the model's head (row pooling) cannot serve packed or sharded rows, or ``None``.
     """
 
     model_type: str
@@ -90,6 +92,7 @@ class ForwardProbe:
     loss_refusal: str | None = None
     padding_refusal: tuple[int, str] | None = None
     cp_context: Any = None
+    head_refusal: str | None = None
 
 
 @dataclass(eq=False)
@@ -148,6 +151,7 @@ def prepare_model(model: torch.nn.Module, *, strict: bool = False) -> torch.nn.M
     probe.absolute_positions = has_absolute_positions(model)
     probe.loss_refusal = loss_refusal(model)
     probe.padding_refusal = padding_refusal(model)
+    probe.head_refusal = row_pooling_refusal(model) or probe.head_refusal  # a wrapper keeps its wrapped model's
     for sub in model.modules():
         sub.__dict__[PROBE_ATTR] = probe
     if isinstance(model, PreTrainedModel) and uses_blockdiag_cp(model):  # its pair refuses for its nested models
@@ -225,7 +229,13 @@ def _refuse(module: torch.nn.Module, probe: ForwardProbe, args: tuple, kwargs: d
     """Raise :class:`UnsupportedModel` for a batch the model cannot compute exactly (reads tensor values only
     for models with a refusal or absolute positions)."""
     if getattr(kwargs.get("cp_context"), "cp_size", 1) > 1:
-        check_cp_loss_count(arguments(module, args, kwargs))
+        named = arguments(module, args, kwargs)
+        check_cp_loss_count(named)
+        check_logits_to_keep(probe.model_type, named)
+    if probe.head_refusal is not None:
+        found = packing(arguments(module, args, kwargs))
+        if found is not None:
+            raise UnsupportedModel(f"blockdiag_cp cannot compute this batch ({found}) exactly: {probe.head_refusal}")
     if probe.loss_refusal is not None:
         _refuse_loss(probe, arguments(module, args, kwargs))
     if probe.padding_refusal is not None:
