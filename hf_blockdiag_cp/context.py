@@ -324,7 +324,8 @@ def _layout_context(cls: type[BlockDiagCPContext], layout: LayoutPlan, ids: torc
     # The requested kind (one group's placement is contiguous whatever was asked): ranks compare requests.
     plan_fp = plan_fingerprint(config, cp_size=common["cp_size"], placement_kind=placement_kind,
                                placement_rows=layout.placement.index, windows=[w for w, _ in planned],
-                               strategies=[str(ex.strategy) for _, ex in planned], ulysses_size=u, layout=key)
+                               strategies=[str(ex.strategy) for _, ex in planned], ulysses_size=u, layout=key,
+                               ulysses_groups=getattr(ulysses_groups, "tag", 0))
     return cls(row_offset=int(local_index[0]), local_index=local_index, plan=plan, exchange=exchange,
                placement=layout.placement, window_plans=window_plans, plan_fingerprint=plan_fp, layout=layout,
                head_group=head_group, seq_group=seq_group,

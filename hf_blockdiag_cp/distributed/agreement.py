@@ -93,7 +93,7 @@ def _check_topology(ranks: list[int], sizes: list[int], group_size: int) -> None
 
 
 #: The plan fields users set (the rest are derived from them and the data).
-_REQUESTS = frozenset((*PLAN_FIELDS[:5], "ulysses_size"))
+_REQUESTS = frozenset((*PLAN_FIELDS[:5], "ulysses_size", "ulysses_groups"))
 
 
 def _plan_mismatch(plans: list[int], fields: list[list[int]]) -> str:
@@ -109,6 +109,11 @@ def _plan_mismatch(plans: list[int], fields: list[list[int]]) -> str:
                 "rank uses the same BlockDiagCPConfig (placement, balance_tolerance, kv_exchange, backend) and cp_size")
     parts = [f"{name} (" + ", ".join(f"rank {r}: {describe_plan_field(name, v)}" for r, v in enumerate(values)) + ")"
              for name, values in differing]
+    if any(name == "ulysses_groups" for name, _ in differing):
+        return (f"CP ranks hold different head-parallel subgroups ({'; '.join(parts)}): the ulysses_groups given to "
+                "their contexts come from different hf_blockdiag_cp.ulysses_groups(...) calls (subgroups created "
+                "twice), so their all-to-alls would run on different communicators and wait for each other until "
+                "the timeout; create the subgroups once at setup and give every rank's collator/context those")
     return (f"CP ranks planned different K/V exchanges this step: their contexts differ in {'; '.join(parts)}; every "
             "rank of a CP group must build its context with the same BlockDiagCPConfig (HF_BLOCKDIAG_CP_* environment "
             "variables included), placement and sliding windows")

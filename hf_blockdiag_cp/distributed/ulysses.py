@@ -21,12 +21,14 @@ gloo runs it too. No host reads: every size is known from the shapes and the :cl
 from __future__ import annotations
 
 import datetime
+from typing import Any
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
+from ..planning.fingerprint import fingerprint
 from ..planning.layout import HeadSplit
 from .exchange import CommStats, check_usable, failed, wait
 from .groups import group_to_ref, ref_to_group
@@ -246,10 +248,15 @@ class UlyssesGroups:
         groups: ``{u: (head group, sequence group)}`` (``u > 1``): the ``u`` consecutive CP ranks of this
             process and the ``P / u`` CP ranks of its head rank ``cp_rank % u``.
 
+        tag: the same on every process for one :func:`create_ulysses_groups` call, different for another (a hash
+            of the names of every process's subgroups): contexts compare it, so ranks holding subgroups created by
+            different calls are refused before any all-to-all instead of waiting for each other. 0: not known.
+
     Pickles with the groups by name (DataLoader workers), like the context's CP group.
     """
 
     groups: dict[int, tuple[object, object]]
+    tag: int = 0
 
     def sizes(self) -> tuple[int, ...]:
         return tuple(sorted(self.groups))
@@ -264,11 +271,11 @@ class UlyssesGroups:
 
     def __reduce__(self):
         refs = {u: (group_to_ref(h), group_to_ref(s)) for u, (h, s) in self.groups.items()}
-        return _resolve_groups, (refs,)
+        return _resolve_groups, (refs, self.tag)
 
 
-def _resolve_groups(refs: dict[int, tuple[object, object]]) -> UlyssesGroups:
-    return UlyssesGroups({u: (ref_to_group(h), ref_to_group(s)) for u, (h, s) in refs.items()})
+def _resolve_groups(refs: dict[int, tuple[object, object]], tag: int = 0) -> UlyssesGroups:
+    return UlyssesGroups({u: (ref_to_group(h), ref_to_group(s)) for u, (h, s) in refs.items()}, tag)
 
 
 def create_ulysses_groups(cp_groups: Sequence[Sequence[int]], sizes: Sequence[int], *, timeout_s: float,
@@ -279,4 +286,10 @@ def create_ulysses_groups(cp_groups: Sequence[Sequence[int]], sizes: Sequence[in
     for u in sorted(set(sizes)):
         if u > 1:
             found[u] = new_subgroups(cp_groups, u, timeout_s=timeout_s, backend=backend)
-    return UlyssesGroups(found)
+    # One more collective of the same setup: every process learns every subgroup's name, so that all agree on a tag
+    # that another creation (new names) does not share.
+    own = sorted(getattr(g, "group_name", "") for pair in found.values() for g in pair if g is not None)
+    names: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(names, own)
+    tag = fingerprint(repr(sorted(name for each in names for name in each)).encode()) if found else 0
+    return UlyssesGroups(found, tag)

@@ -23,7 +23,8 @@ def fingerprint(*parts: bytes) -> int:
 #: requests themselves (small ints: an index into the config's choices, the tolerance's float64 bits),
 #: so that a mismatch can be quoted with each rank's value; the rest are hashes of derived facts.
 PLAN_FIELDS: tuple[str, ...] = ("cp_size", "placement", "balance_tolerance", "kv_exchange", "backend",
-                                "sliding_windows", "placement_rows", "exchange_strategies", "ulysses_size", "layout")
+                                "sliding_windows", "placement_rows", "exchange_strategies", "ulysses_size", "layout",
+                                "ulysses_groups")
 
 
 class PlanFingerprint(int):
@@ -48,7 +49,7 @@ def _float_bits(x: float) -> int:
 
 def plan_fingerprint(config: BlockDiagCPConfig, *, cp_size: int, placement_kind: str, placement_rows: torch.Tensor,
                      windows: Sequence[int | None], strategies: Sequence[str], ulysses_size: int = 1,
-                     layout: bytes | None = None) -> PlanFingerprint:
+                     layout: bytes | None = None, ulysses_groups: int = 0) -> PlanFingerprint:
     """The fingerprint of what every CP rank must have planned alike.
 
     Args:
@@ -58,6 +59,8 @@ def plan_fingerprint(config: BlockDiagCPConfig, *, cp_size: int, placement_kind:
         windows / strategies: the planned sliding windows and each exchange's resolved strategy.
         ulysses_size / layout: the step's head-parallel size ``u`` and, when ``u > 1``, the bytes of its
             :meth:`~hf_blockdiag_cp.planning.layout.LayoutPlan.key` (``None``: 0, today's layout).
+        ulysses_groups: the :attr:`~hf_blockdiag_cp.distributed.ulysses.UlyssesGroups.tag` of the head-parallel
+            subgroups a ``u > 1`` step uses (0 without): the same on every rank only for one creation of them.
     """
     # The tolerance shapes only a balanced placement: other placements do not compare it (-1: no
     # float's bits, as tolerances are >= 0).
@@ -74,6 +77,7 @@ def plan_fingerprint(config: BlockDiagCPConfig, *, cp_size: int, placement_kind:
         "exchange_strategies": fingerprint(repr(tuple(strategies)).encode()),
         "ulysses_size": ulysses_size,
         "layout": 0 if layout is None else fingerprint(layout),
+        "ulysses_groups": ulysses_groups,
     })
 
 

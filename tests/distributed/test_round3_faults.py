@@ -73,3 +73,51 @@ def test_a_rank_retrying_after_an_oom_while_its_peer_is_in_backward_ends_in_an_e
             assert status == "ran", (name, rank, rows[rank])  # not SIGABRT
             assert error in ("AgreementError", "CollectiveError"), (name, rank, rows[rank])
             assert elapsed < BOUND_S, (name, rank, rows[rank])
+
+
+# ---- finding 7: head-parallel subgroups created twice ----------------------------------------------------
+
+
+def _ulysses_groups_worker(rank: int, world: int) -> dict:
+    """Subgroups created twice at setup; rank 0 takes the first, rank 1 the second (each valid on its own). Then
+    both take the first: the control."""
+    import time
+
+    import torch
+    import torch.distributed as dist
+
+    import hf_blockdiag_cp as bd
+    from tests.reference import tiny_model
+
+    config = bd.BlockDiagCPConfig(collective_timeout_s=TIMEOUT_S)
+    group = dist.new_group(list(range(world)), backend="gloo", timeout=config.process_group_timeout)
+    first = bd.ulysses_groups(None, 2, config=config)
+    second = bd.ulysses_groups(None, 2, config=config)
+    gen = torch.Generator().manual_seed(3)
+    examples = [{"input_ids": torch.randint(1, 97, (n,), generator=gen).tolist()} for n in (9, 30, 5, 20)]
+    outcome = {}
+    for name, heads in (("mixed", first if rank == 0 else second), ("same", first)):
+        model = tiny_model("llama", attn_implementation="blockdiag_cp", num_key_value_heads=1).train()
+        collator = bd.PackingCollator(64, group=group, pad_token_id=0, config=config, ulysses_size=2,
+                                      model_config=model.config, ulysses_groups=heads)
+        start = time.monotonic()
+        try:
+            model(**collator(examples)).loss.backward()
+            error, message = None, ""
+        except Exception as err:  # the outcome under test
+            error, message = type(err).__name__, str(err)
+        outcome[name] = (error, message[:800], time.monotonic() - start)
+    return outcome
+
+
+@pytest.mark.timeout(300)
+def test_ranks_with_subgroups_from_different_creations_are_refused_naming_the_groups():
+    from tests.launch import run_ranks
+
+    reports = run_ranks(_ulysses_groups_worker, 2, timeout=240)
+    for rank, outcome in enumerate(reports):
+        print(f"ulysses groups created twice, rank {rank}: {outcome['mixed'][0]} after {outcome['mixed'][2]:.2f} s")
+        error, message, elapsed = outcome["mixed"]
+        assert error == "AgreementError" and "head-parallel subgroups" in message, (rank, outcome)
+        assert "ulysses_groups" in message and elapsed < TIMEOUT_S, (rank, outcome)
+        assert outcome["same"][0] is None, (rank, outcome)
