@@ -97,9 +97,16 @@ def ulysses_attention(ctx: BlockDiagCPContext, query: torch.Tensor, key: torch.T
         raise PlanError(f"CP attention expects one packed row per micro-batch and local keys: got query "
                         f"{tuple(query.shape)}, key {tuple(key.shape)}")
     if query.shape[1] != split.num_q_heads or key.shape[1] != split.num_kv_heads:
-        raise PlanError(f"the step's layout was planned for {split.num_q_heads} query and {split.num_kv_heads} K/V "
-                        f"heads, but this attention layer has {query.shape[1]} and {key.shape[1]}; give the collator "
-                        "the model's head shape (heads= / model_config=)")
+        hq, hkv, dim = query.shape[1], key.shape[1], query.shape[-1]
+        # A refusal (the model's structure), raised by every rank at the same layer before its all-to-all.
+        raise NotImplementedError(
+            f"the step's head-parallel layout was planned for {split.num_q_heads} query and {split.num_kv_heads} K/V "
+            f"heads (the collator's heads=, or num_attention_heads / num_key_value_heads of its model_config), but this "
+            f"attention layer has {hq} and {hkv}: the model's layers do not all use the head counts its config names "
+            "(e.g. more K/V heads on its sliding-window layers, or mixture-of-attention heads), and a head-parallel "
+            f"layout plans one head shape for every layer. If every attention layer has {hq} query and {hkv} K/V heads "
+            f"pass heads=HeadShape({hq}, {hkv}, {dim}) to the collator instead of model_config; otherwise use "
+            "ulysses_size=1 (the sequence layout does not depend on the head shape)")
     q_per_rank, kv_per_rank = split.q_per_rank, split.kv_per_rank
     device = query.device
     # The kernel sees this rank's head slice; the agreement (first layer) runs before any head moves.
@@ -122,4 +129,5 @@ def ulysses_attention(ctx: BlockDiagCPContext, query: torch.Tensor, key: torch.T
     except Exception as err:
         raise kernel_failed(ctx, backend, err) from err
     out = tokens_to_heads(out.transpose(0, 1).unsqueeze(0), a2a)  # [1, Hq, L, Dv]
-    return out[0].transpose(0, 1)
+    # Contiguous like transformers' sdpa output: some models .view() the attention output (afmoe, dory).
+    return out[0].transpose(0, 1).contiguous()

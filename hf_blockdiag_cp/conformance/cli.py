@@ -25,7 +25,7 @@ from .configs import causal_lm_types
 from .report import markdown_table, readme_summary, replace_readme_summary
 from .result import EXACT, FAIL, NOT_APPLICABLE, REFUSED, CheckResult
 from .runs import LENGTHS
-from .sweep import cp2_sample, read_jsonl, sweep
+from .sweep import cp2_sample, read_jsonl, read_jsonl_ulysses, sweep
 
 __all__ = ["main", "usage_error"]
 
@@ -63,6 +63,9 @@ def _parser() -> argparse.ArgumentParser:
                                                  "config.json / model folders")
     parser.add_argument("--cp-size", type=int, default=1, help="also run the collator path on N gloo ranks "
                                                                "(spawned by the check: run it as one process)")
+    parser.add_argument("--ulysses-size", type=int, default=1,
+                        help="the collator path's head-parallel size at --cp-size N (it must divide N and the heads); "
+                             "with --all: also run the CP = 2 pass at this ulysses_size (a column in --markdown)")
     parser.add_argument("--all", action="store_true", help="sweep every causal LM of the installed transformers")
     parser.add_argument("--markdown", type=Path, help="with --all: write the Markdown table here (docs/models.md)")
     parser.add_argument("--readme", type=Path, help="with --all: rewrite the summary block of this README")
@@ -85,10 +88,10 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _write_docs(args: argparse.Namespace, results: list[CheckResult], cp2: list[CheckResult],
-                seconds: float | None, command: str) -> None:
+                seconds: float | None, command: str, cp2_ulysses: list[CheckResult] = ()) -> None:
     if args.markdown is not None:
         args.markdown.write_text(markdown_table(results, title="Architecture conformance", seconds=seconds,
-                                                cp2=cp2, command=command))
+                                                cp2=cp2, command=command, cp2_ulysses=cp2_ulysses))
     if args.readme is not None:
         args.readme.write_text(replace_readme_summary(args.readme.read_text(), readme_summary(results, cp2)))
 
@@ -102,6 +105,8 @@ def _sweep_command(args: argparse.Namespace) -> str:
         parts.append(f"--cp2-sample {args.cp2_sample}")
     if args.cp2_also and not args.from_jsonl:
         parts.append(f"--cp2-also {shlex.quote(args.cp2_also)}")
+    if args.ulysses_size > 1 and not args.from_jsonl:
+        parts.append(f"--ulysses-size {args.ulysses_size}")
     parts += [f"--{name} {getattr(args, name)}" for name in ("markdown", "readme") if getattr(args, name)]
     return " ".join(parts)
 
@@ -116,12 +121,16 @@ def _run_all(args: argparse.Namespace) -> int:
         # generate() does not depend on the CP size: the CP = 1 row has compared it already.
         cp2 = sweep(cp2_sample(results, args.cp2_sample, also), cp_size=2, timeout=args.timeout, jsonl=args.jsonl,
                     jobs=args.jobs, batch=args.batch, generate=False)
+    cp2_ulysses: list[CheckResult] = []
+    if args.ulysses_size > 1 and cp2:  # the same architectures, head-parallel
+        cp2_ulysses = sweep([r.model for r in cp2], cp_size=2, timeout=args.timeout, jsonl=args.jsonl, jobs=args.jobs,
+                            batch=args.batch, generate=False, ulysses_size=args.ulysses_size)
     seconds = time.monotonic() - start
     counts = {s: sum(r.status == s for r in results) for s in (EXACT, REFUSED, FAIL, NOT_APPLICABLE)}
     print(f"{len(results)} architectures: " + ", ".join(f"{v} {k}" for k, v in counts.items())
           + f" ({seconds / 60:.1f} min)")
-    _write_docs(args, results, cp2, seconds, _sweep_command(args))
-    return 1 if counts[FAIL] or any(r.status == FAIL for r in cp2) else 0
+    _write_docs(args, results, cp2, seconds, _sweep_command(args), cp2_ulysses)
+    return 1 if counts[FAIL] or any(r.status == FAIL for r in (*cp2, *cp2_ulysses)) else 0
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -132,7 +141,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.jsonl is None or (args.markdown is None and args.readme is None):
             parser.error("--from-jsonl needs --jsonl and --markdown or --readme")
         one, more = read_jsonl(args.jsonl)
-        _write_docs(args, one, more, None, _sweep_command(args))
+        _write_docs(args, one, more, None, _sweep_command(args), read_jsonl_ulysses(args.jsonl))
         return 0
     problem = usage_error(args.model, args.cp_size)
     if problem is not None:
@@ -146,7 +155,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     for model in args.model:
         sink = io.StringIO() if args.json else None
         with contextlib.redirect_stdout(sink) if sink is not None else contextlib.nullcontext():
-            result = check_model(model, cp_size=args.cp_size, generate=not args.no_generate)
+            result = check_model(model, cp_size=args.cp_size, generate=not args.no_generate,
+                                 ulysses_size=args.ulysses_size)
         if args.json:
             data = asdict(result)
             if not args.verbose:

@@ -12,6 +12,7 @@ from typing import Any
 import torch
 import transformers
 
+from ..model.detect import loss_refusal
 from .configs import VOCAB, composite_reason, text_config, tiny_config
 from .launch import run_cp
 from .result import EXACT, FAIL, GRAD_RTOL, LOGITS_ATOL, NOT_APPLICABLE, REFUSED, CheckResult, describe_error
@@ -31,13 +32,16 @@ __all__ = ["check_generate", "check_model"]
 
 
 def check_model(model_name: str, *, cp_size: int = 1, seed: int = 0, generate: bool = True,
-                variants: Sequence[str] = VARIANTS) -> CheckResult:
+                variants: Sequence[str] = VARIANTS, ulysses_size: int = 1) -> CheckResult:
     """Check one architecture (a ``model_type`` or a local config / model folder): the packed ``variants``
-    against each document alone, the ``collator`` variant on ``cp_size`` gloo ranks, and ``generate()``."""
+    against each document alone, the ``collator`` variant on ``cp_size`` gloo ranks (head-parallel over
+    ``ulysses_size`` of them when > 1), and ``generate()``."""
     start = time.monotonic()
-    result = CheckResult(model=model_name, cp_size=cp_size, transformers=transformers.__version__)
+    result = CheckResult(model=model_name, cp_size=cp_size, ulysses_size=ulysses_size,
+                         transformers=transformers.__version__)
     try:
-        _check(model_name, result, cp_size=cp_size, seed=seed, generate=generate, variants=variants)
+        _check(model_name, result, cp_size=cp_size, seed=seed, generate=generate, variants=variants,
+               ulysses_size=ulysses_size)
     except Exception as err:  # the config or the stock model cannot be built: nothing to compare
         result.status, result.reason = FAIL, f"check crashed: {describe_error(err)}"
         result.variants["traceback"] = traceback.format_exc()[-2000:]
@@ -46,7 +50,7 @@ def check_model(model_name: str, *, cp_size: int = 1, seed: int = 0, generate: b
 
 
 def _check(model_name: str, result: CheckResult, *, cp_size: int, seed: int, generate: bool,
-           variants: Sequence[str]) -> None:
+           variants: Sequence[str], ulysses_size: int = 1) -> None:
     try:
         config = tiny_config(model_name)
     except Exception as err:
@@ -87,7 +91,7 @@ def _check(model_name: str, result: CheckResult, *, cp_size: int, seed: int, gen
                 result.variants[variant] = f"skipped: forward takes no {', '.join(missing)}"
                 continue
             if variant == "collator" and cp_size > 1:
-                logits, grads = run_cp(config, docs, cp_size, seed, pad)
+                logits, grads = run_cp(config, docs, cp_size, seed, pad, ulysses_size=ulysses_size)
             else:
                 logits, grads = packed_run(ours, docs, inputs)
         except Exception as err:
@@ -130,6 +134,11 @@ def _check(model_name: str, result: CheckResult, *, cp_size: int, seed: int, gen
         result.reason = "; ".join(f"{k}: {v}" for k, v in result.variants.items())
     else:
         result.status = EXACT
+        own_loss = loss_refusal(ours)
+        if own_loss is not None:  # the logits are exact, but the model's own loss refuses a training batch's targets
+            result.reason = ("logits and gradients exact; a training batch's labels / shift_labels are refused: the "
+                             "model computes its own loss, which would ignore shift_labels — compute the loss from the "
+                             "logits")
 
 
 def _generate(model: torch.nn.Module, config: Any, seed: int) -> torch.Tensor:

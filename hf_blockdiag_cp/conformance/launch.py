@@ -29,17 +29,18 @@ CP_TIMEOUT_S = 600.0
 _HOST = "127.0.0.1"
 
 
-def run_cp(config: Any, docs: Sequence[torch.Tensor], cp_size: int, seed: int, pad: int
+def run_cp(config: Any, docs: Sequence[torch.Tensor], cp_size: int, seed: int, pad: int, *, ulysses_size: int = 1
            ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """The collator path on ``cp_size`` gloo ranks: ``(logits of the real tokens [T, V], gradients)``
     (logits all-gathered, gradients all-reduced over the ranks). A refusal on any rank is re-raised
-    as ``NotImplementedError``, any other error as ``RuntimeError`` (both with the rank's message)."""
+    as ``NotImplementedError``, any other error as ``RuntimeError`` (both with the rank's message).
+    ``ulysses_size > 1``: the head-parallel layout over that many of the ranks (subgroups made in the ranks)."""
     store = dist.TCPStore(_HOST, 0, world_size=cp_size + 1, is_master=True, wait_for_workers=False,
                           timeout=datetime.timedelta(seconds=CP_TIMEOUT_S))
     ctx = _rank_context()
     queue = ctx.Queue()
     procs = [ctx.Process(target=_cp_rank, args=(r, cp_size, store.port, config, [d.tolist() for d in docs], seed,
-                                                pad, queue))
+                                                pad, queue, ulysses_size))
              for r in range(cp_size)]
     for p in procs:
         p.start()
@@ -80,7 +81,7 @@ def _rank_context() -> Any:
 
 
 def _cp_rank(rank: int, world: int, port: int, config: Any, docs: list[list[int]], seed: int, pad: int,
-             queue: Any) -> None:
+             queue: Any, ulysses_size: int = 1) -> None:
     """One rank: its shard forward and backward, then logits and gradients to rank 0's payload."""
     os.environ["OMP_NUM_THREADS"] = "1"
     torch.set_num_threads(1)
@@ -90,7 +91,8 @@ def _cp_rank(rank: int, world: int, port: int, config: Any, docs: list[list[int]
                                 timeout=datetime.timedelta(seconds=CP_TIMEOUT_S))
         model = build_model(config, "blockdiag_cp", seed)
         tensors = [torch.tensor(d) for d in docs]
-        batch = collated_batch(tensors, cp_size=world, cp_rank=rank, group=dist.group.WORLD, pad_token_id=pad)
+        batch = collated_batch(tensors, cp_size=world, cp_rank=rank, group=dist.group.WORLD, pad_token_id=pad,
+                               ulysses_size=ulysses_size, model_config=config)
         shift = batch.pop("_shift_labels")[0]
         local_index = batch["cp_context"].local_index  # this rank's positions in the row (any placement)
         logits = forward_logits(model, **batch)[0]

@@ -91,7 +91,7 @@ def _num(value: float | None) -> str:
 
 
 def markdown_table(results: Sequence[CheckResult], *, title: str, seconds: float | None,
-                   cp2: Sequence[CheckResult] = (), command: str = "") -> str:
+                   cp2: Sequence[CheckResult] = (), command: str = "", cp2_ulysses: Sequence[CheckResult] = ()) -> str:
     """The sweep as Markdown: counts, refusal causes, the CP = 2 sample, then one row per architecture.
     ``seconds`` (the sweep's wall time) is accepted but not shown: the page states the checks' summed time."""
     counts = _counts(results)
@@ -151,6 +151,21 @@ def markdown_table(results: Sequence[CheckResult], *, title: str, seconds: float
         for r in cp2:
             lines.append(f"| `{r.model}` | {one.get(r.model, '')} | {r.status} | {_num(r.logits_err)} | "
                          f"{_num(r.grad_err)} | {_cell(r.reason)} |")
+        lines.append("")
+    if cp2_ulysses:
+        one = {r.model: r.status for r in results}
+        seq = {r.model: r.status for r in cp2}
+        u = max(r.ulysses_size for r in cp2_ulysses)
+        cu = _counts(cp2_ulysses)
+        lines += [f"## Head-parallel layout (ulysses_size = {u})", "",
+                  f"At CP = 2 with `ulysses_size={u}` (the collator's head-parallel layout: an all-to-all of the heads, "
+                  f"head shape from `model_config`), of {len(cp2_ulysses)} architectures: **{cu[EXACT]} exact, "
+                  f"{cu[REFUSED]} refused, {cu[FAIL]} FAIL, {cu[NOT_APPLICABLE]} not applicable.**", "",
+                  f"| model type | CP = 1 | CP = 2 | CP = 2, u = {u} | logits | grads | detail |",
+                  "|---|---|---|---|---|---|---|"]
+        for r in cp2_ulysses:
+            lines.append(f"| `{r.model}` | {one.get(r.model, '')} | {seq.get(r.model, 'not run')} | {r.status} | "
+                         f"{_num(r.logits_err)} | {_num(r.grad_err)} | {_cell(r.reason)} |")
         lines.append("")
     at_cp2 = {r.model: r.status for r in cp2}
     lines += ["## Every architecture", "", "| model type | result | CP = 2 | logits | grads | generate | detail |",

@@ -40,6 +40,7 @@ class CheckResult:
         generate: ``equal``, ``different``, ``refused``, ``n/a (...)`` or ``not run``.
         variants: per packed variant, ``ok`` / ``refused: ...`` / ``FAIL ...`` / ``skipped: ...``.
         cp_size: ranks of the collator variant.
+        ulysses_size: the collator variant's head-parallel size (1: the sequence layout only).
         seconds: wall time of the check.
         transformers: the transformers version the check ran with.
     """
@@ -52,6 +53,7 @@ class CheckResult:
     generate: str = "not run"
     variants: dict[str, str] = field(default_factory=dict)
     cp_size: int = 1
+    ulysses_size: int = 1
     seconds: float = 0.0
     transformers: str = ""
 
@@ -64,7 +66,8 @@ class CheckResult:
             nums.append(f"grads {self.grad_err:.1e}")
         nums.append(f"generate {self.generate}")
         head = f"{self.model}: {self.status}" + (f" ({self.reason})" if self.reason else "")
-        return f"{head} | {', '.join(nums)} | cp_size={self.cp_size} | {self.seconds:.1f} s"
+        ulysses = f", ulysses_size={self.ulysses_size}" if self.ulysses_size > 1 else ""
+        return f"{head} | {', '.join(nums)} | cp_size={self.cp_size}{ulysses} | {self.seconds:.1f} s"
 
 
 def shorten(text: str, limit: int) -> str:

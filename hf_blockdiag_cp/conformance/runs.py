@@ -137,13 +137,22 @@ def packed_inputs(docs: Sequence[torch.Tensor], variant: str, pad_token_id: int 
     raise ValueError(f"variant={variant!r}: expected one of {VARIANTS}")
 
 
-def collated_batch(docs: Sequence[torch.Tensor], *, cp_size: int, cp_rank: int, group: Any, pad_token_id: int
-                   ) -> dict[str, Any]:
+def collated_batch(docs: Sequence[torch.Tensor], *, cp_size: int, cp_rank: int, group: Any, pad_token_id: int,
+                   ulysses_size: int = 1, model_config: Any = None) -> dict[str, Any]:
     """A :class:`PackingCollator` batch of ``docs`` laid out in order in one row: the model inputs
-    (``input_ids``, ``position_ids``, ``cp_context``) and ``_shift_labels`` ``[1, local_len]``."""
+    (``input_ids``, ``position_ids``, ``cp_context``) and ``_shift_labels`` ``[1, local_len]``.
+    ``ulysses_size > 1`` (live ``group`` only): the head-parallel layout, its subgroups created here (collective) and
+    the head shape read from ``model_config``."""
     total = sum(len(d) for d in docs)
     seq_len = -(-total // cp_size) * cp_size
-    collator = PackingCollator(seq_len, cp_size=cp_size, cp_rank=cp_rank, group=group, pad_token_id=pad_token_id)
+    extra: dict[str, Any] = {}
+    if ulysses_size > 1:
+        from ..training.mesh import ulysses_groups
+
+        extra = dict(ulysses_size=ulysses_size, model_config=model_config,
+                     ulysses_groups=ulysses_groups(None, ulysses_size))
+    collator = PackingCollator(seq_len, cp_size=cp_size, cp_rank=cp_rank, group=group, pad_token_id=pad_token_id,
+                               **extra)
     row = PackedRow(tuple(Document(d, d.clone(), 0, i) for i, d in enumerate(docs)))
     batch = collator([row])
     return {k: batch[k] for k in ("input_ids", "position_ids", "cp_context")} | {"_shift_labels": batch["shift_labels"]}

@@ -16,7 +16,7 @@ from pathlib import Path
 
 from .result import EXACT, FAIL, CheckResult, shorten
 
-__all__ = ["cp2_sample", "read_jsonl", "run_batch", "run_isolated", "sweep"]
+__all__ = ["cp2_sample", "read_jsonl", "read_jsonl_ulysses", "run_batch", "run_isolated", "sweep"]
 
 
 def _limit_memory() -> None:
@@ -27,18 +27,20 @@ def _limit_memory() -> None:
 
 
 def run_isolated(model: str, cp_size: int, timeout: float, python: str = sys.executable, *,
-                 generate: bool = True) -> CheckResult:
+                 generate: bool = True, ulysses_size: int = 1) -> CheckResult:
     """One architecture's check (``python -m hf_blockdiag_cp.check MODEL --json``) in a subprocess."""
-    return run_batch([model], cp_size, timeout, python, generate=generate)[0]
+    return run_batch([model], cp_size, timeout, python, generate=generate, ulysses_size=ulysses_size)[0]
 
 
 def run_batch(models: Sequence[str], cp_size: int, timeout: float, python: str = sys.executable, *,
-              generate: bool = True) -> list[CheckResult]:
+              generate: bool = True, ulysses_size: int = 1) -> list[CheckResult]:
     """Several architectures' checks in one subprocess (``check M1 M2 ... --json``: one import of torch and
     transformers, and at ``cp_size`` > 1 one fork server for every CP run), ``timeout`` seconds per model.
     Models the process did not report (it crashed or timed out) are checked again one subprocess each, so a
     model that kills its process is reported alone; a single model's failure is a ``FAIL`` result."""
     cmd = [python, "-m", "hf_blockdiag_cp.check", *models, "--cp-size", str(cp_size), "--json"]
+    if ulysses_size > 1:
+        cmd += ["--ulysses-size", str(ulysses_size)]
     if not generate:
         cmd.append("--no-generate")
     start = time.monotonic()
@@ -59,9 +61,10 @@ def run_batch(models: Sequence[str], cp_size: int, timeout: float, python: str =
     if len(reported) == len(models):
         return reported
     if len(models) > 1:  # who broke the process? each of the rest alone
-        return reported + [run_isolated(m, cp_size, timeout, python, generate=generate)
+        return reported + [run_isolated(m, cp_size, timeout, python, generate=generate, ulysses_size=ulysses_size)
                            for m in models[len(reported):]]
-    return [CheckResult(model=models[0], status=FAIL, reason=failure, cp_size=cp_size, seconds=elapsed)]
+    return [CheckResult(model=models[0], status=FAIL, reason=failure, cp_size=cp_size, ulysses_size=ulysses_size,
+                        seconds=elapsed)]
 
 
 def _read(path: Path) -> list[CheckResult]:
@@ -69,26 +72,34 @@ def _read(path: Path) -> list[CheckResult]:
 
 
 def read_jsonl(path: Path) -> tuple[list[CheckResult], list[CheckResult]]:
-    """``(CP = 1 results, CP > 1 results)`` of a sweep's JSON lines (the last line per model wins)."""
+    """``(CP = 1 results, CP > 1 results)`` of a sweep's JSON lines (the last line per model wins; head-parallel
+    results: :func:`read_jsonl_ulysses`)."""
     one: dict[str, CheckResult] = {}
     more: dict[str, CheckResult] = {}
     for r in _read(path):
-        (one if r.cp_size == 1 else more)[r.model] = r
+        if r.ulysses_size == 1:
+            (one if r.cp_size == 1 else more)[r.model] = r
     return list(one.values()), list(more.values())
 
 
+def read_jsonl_ulysses(path: Path) -> list[CheckResult]:
+    """The head-parallel (``ulysses_size > 1``) results of a sweep's JSON lines (the last line per model wins)."""
+    return list({r.model: r for r in _read(path) if r.ulysses_size > 1}.values())
+
+
 def sweep(models: Sequence[str], *, cp_size: int, timeout: float, jsonl: Path | None, jobs: int = 1,
-          batch: int = 1, generate: bool = True) -> list[CheckResult]:
+          batch: int = 1, generate: bool = True, ulysses_size: int = 1) -> list[CheckResult]:
     """Check ``models``, ``batch`` per subprocess (:func:`run_batch`), ``jobs`` subprocesses at a time; prints one
     line per model as it finishes, appends JSON lines to ``jsonl`` (and skips the models it already holds at this
-    ``cp_size``). Returns the results in the order of ``models``."""
+    ``cp_size`` and ``ulysses_size``). Returns the results in the order of ``models``."""
     done: dict[str, CheckResult] = {}
     if jsonl is not None and jsonl.exists():  # resume an interrupted sweep
-        done = {r.model: r for r in _read(jsonl) if r.cp_size == cp_size}
+        done = {r.model: r for r in _read(jsonl) if (r.cp_size, r.ulysses_size) == (cp_size, ulysses_size)}
     todo = [m for m in models if m not in done]
     with ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:  # threads only wait on subprocesses
         size = max(1, batch)
-        futures = [pool.submit(run_batch, todo[i:i + size], cp_size, timeout, generate=generate)
+        futures = [pool.submit(run_batch, todo[i:i + size], cp_size, timeout, generate=generate,
+                               ulysses_size=ulysses_size)
                    for i in range(0, len(todo), size)]
         finished = len(models) - len(todo)
         for future in as_completed(futures):
