@@ -124,6 +124,10 @@ def check_chunked_loss(model: torch.nn.Module) -> None:
         if isinstance(module, (FSDPModule, FullyShardedDataParallel)):
             raise NotImplementedError(f"{type(base).__name__} is sharded with FSDP: its head's parameters are "
                                       "released after the forward; use the model's own loss")
+    if getattr(getattr(base, "config", None), "output_router_logits", False):
+        raise NotImplementedError(f"{type(base).__name__} adds a MoE router auxiliary loss to its own loss "
+                                  "(output_router_logits=True), which the chunked loss would drop; use the model's "
+                                  "own loss")
     _logit_transform(base)
 
 

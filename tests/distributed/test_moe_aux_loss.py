@@ -125,3 +125,38 @@ def test_router_aux_loss_at_cp_equals_one_process_on_the_row(world):
                 assert _relative(grads[name], ref_grads[name]) < 1e-4, (family, placement, name)
             worst = max(_relative(grads[n], ref_grads[n]) for n in ref_grads if ref_grads[n].norm() > 0)
             assert worst < 1e-4, (family, placement, worst)
+
+
+# ---- CPTrainer: one SGD step (lr 1) at CP = 2 against the same reference ----------------------------------
+
+
+def _trainer_worker(rank: int, world: int, tmp: str) -> dict:
+    import hf_blockdiag_cp as bd
+    from tests.training.test_trainer_cp import _training_args
+
+    mesh = bd.init_device_mesh(world)
+    model = _model("mixtral", "blockdiag_cp")
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    doc_ids, ids, _, _ = _row(model.config.vocab_size)
+    examples = [{"input_ids": ids[0, doc_ids == d].tolist()} for d in range(1, len(LENGTHS) + 1)]
+    trainer = bd.CPTrainer(model=model, args=_training_args(tmp, per_device_train_batch_size=len(LENGTHS),
+                                                            gradient_accumulation_steps=1),
+                           train_dataset=examples, data_collator=bd.PackingCollator(sum(LENGTHS), group=mesh["cp"],
+                                                                                    pad_token_id=0),
+                           mesh=mesh, optimizers=(torch.optim.SGD(model.parameters(), lr=1.0), None))
+    trainer.train()
+    loss = [h["loss"] for h in trainer.state.log_history if "loss" in h][0]
+    update = {n: (before[n] - p.detach()).numpy() for n, p in model.named_parameters()}
+    return {"loss": loss, "update": update if rank == 0 else None}
+
+
+@pytest.mark.timeout(600)
+def test_router_aux_loss_in_cp_trainer_at_cp2(tmp_path):
+    from tests.training.test_trainer_cp import _rank_env
+
+    reports = run_ranks(_trainer_worker, 2, str(tmp_path), timeout=540, env=_rank_env(2))
+    ref_loss, _, ref_grads = _reference("mixtral")
+    assert reports[0]["loss"] == pytest.approx(ref_loss, rel=1e-5), (reports[0]["loss"], ref_loss)
+    update = {n: torch.from_numpy(g) for n, g in reports[0]["update"].items()}
+    worst = max(_relative(update[n], ref_grads[n]) for n in ref_grads if ref_grads[n].norm() > 0)
+    assert worst < 1e-4, worst
