@@ -37,7 +37,9 @@ from ..distributed.exchange import all_gather_single, check_usable, wait
 __all__ = ["exact_router_aux_loss", "router_aux_refusal"]
 
 _WHAT = "blockdiag_cp router-logit gather (MoE auxiliary loss)"
-_MODEL_ATTRS = ("num_experts", "num_experts_per_tok", "router_aux_loss_coef")
+_MODEL_ATTRS = ("num_experts", "num_experts_per_tok")
+#: Where the causal LM keeps the loss's coefficient (jetmoe: ``aux_loss_coef``).
+_COEF_ATTRS = ("router_aux_loss_coef", "aux_loss_coef")
 
 
 def _reference_code() -> Any:
@@ -58,6 +60,8 @@ def router_aux_refusal(model: torch.nn.Module) -> str | None:
     fn = _loss_function(model)
     reference = _reference_code()
     missing = [name for name in _MODEL_ATTRS if not hasattr(model, name)]
+    if not any(hasattr(model, name) for name in _COEF_ATTRS):
+        missing.append("router_aux_loss_coef")
     if fn is None or missing:
         return (f"{type(model).__name__} returns a router auxiliary loss but is not a causal LM calling "
                 "load_balancing_loss_func(router_logits, num_experts, num_experts_per_tok, attention_mask)")
@@ -156,5 +160,6 @@ def exact_router_aux_loss(model: torch.nn.Module, named: dict[str, Any], output:
     share = row_aux.detach() / ctx.cp_size + (row_aux - row_aux.detach())
     loss = getattr(output, "loss", None)
     if loss is not None:  # the model added coef * (this shard's aux): replace that term by this rank's share
-        output.loss = loss + model.router_aux_loss_coef * (share - aux).to(loss.device)
+        coef = next(getattr(model, name) for name in _COEF_ATTRS if hasattr(model, name))
+        output.loss = loss + coef * (share - aux).to(loss.device)
     output.aux_loss = share

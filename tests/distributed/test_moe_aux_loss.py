@@ -17,6 +17,9 @@ from tests.launch import run_ranks
 pytestmark = pytest.mark.distributed
 
 FAMILIES = ["mixtral", "qwen3_moe", "gpt_oss"]
+#: Further families whose causal LM adds transformers' Switch-style router loss (checked at CP = 2).
+MORE_FAMILIES = ["qwen2_moe", "olmoe", "granitemoe", "phimoe", "jetmoe", "flex_olmo",
+                 "ernie4_5_moe", "granitemoeshared"]
 LENGTHS = [5, 20, 3, 12, 8]  # 48 tokens: divisible by 2 and 4, documents straddle the shard boundaries
 COEF = 0.5
 
@@ -28,10 +31,10 @@ def _model(family: str, attn: str):
 
     config = tiny_config(family)
     config.output_router_logits = True
-    config.router_aux_loss_coef = COEF
+    config.router_aux_loss_coef = config.aux_loss_coef = COEF  # jetmoe names it aux_loss_coef
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation=attn, dtype=torch.float32)
-    return model.train()
+    return model.eval()  # deterministic routing (phimoe's sparse mixer samples in training); gradients still flow
 
 
 def _row(vocab: int):
@@ -109,10 +112,11 @@ def _relative(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("world", [2, 4])
-def test_router_aux_loss_at_cp_equals_one_process_on_the_row(world):
-    reports = run_ranks(_worker, world, FAMILIES, timeout=540)
-    for family in FAMILIES:
+@pytest.mark.parametrize("world, families", [(2, FAMILIES), (4, FAMILIES), (2, MORE_FAMILIES)],
+                         ids=["cp2", "cp4", "cp2-more-families"])
+def test_router_aux_loss_at_cp_equals_one_process_on_the_row(world, families):
+    reports = run_ranks(_worker, world, families, timeout=540)
+    for family in families:
         ref_loss, ref_aux, ref_grads = _reference(family)
         for placement in ("contiguous", "balanced"):
             loss, aux, grads = reports[0][(family, placement)]
@@ -160,3 +164,15 @@ def test_router_aux_loss_in_cp_trainer_at_cp2(tmp_path):
     update = {n: torch.from_numpy(g) for n, g in reports[0]["update"].items()}
     worst = max(_relative(update[n], ref_grads[n]) for n in ref_grads if ref_grads[n].norm() > 0)
     assert worst < 1e-4, worst
+
+
+def test_a_router_loss_blockdiag_cp_does_not_know_is_refused():
+    """A causal LM whose module's load_balancing_loss_func is not the Switch-style one (here: none at all, as for a
+    subclass defined elsewhere) is refused under CP, naming the cause; mixtral's is known."""
+    from hf_blockdiag_cp.model.moe_aux import router_aux_refusal
+
+    model = _model("mixtral", "blockdiag_cp")
+    assert router_aux_refusal(model) is None
+    own = type("MyMixtral", (type(model),), {"__module__": __name__})
+    model.__class__ = own
+    assert "is not a causal LM calling load_balancing_loss_func" in router_aux_refusal(model)
