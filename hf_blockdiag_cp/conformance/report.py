@@ -90,6 +90,28 @@ def _num(value: float | None) -> str:
     return "" if value is None else f"{value:.0e}"
 
 
+#: What the page says about what a model computes besides attention (heads, losses): not per architecture.
+BEYOND_ATTENTION = (
+    "What is exact besides attention (for every architecture above):",
+    "",
+    "- *MoE router auxiliary loss* (`output_router_logits=True`): exact under CP for every causal LM whose loss "
+    "transformers adds with the Switch-style `load_balancing_loss_func` (mixtral, qwen2_moe, qwen3_moe, olmoe, "
+    "granitemoe(shared), phimoe, jetmoe, flex_olmo, ernie4_5_moe, gpt_oss, ...): the row's router logits are gathered "
+    "over the CP group, the model's own function runs on them, and each rank counts `1 / P` of it, so the losses "
+    "summed over the ranks and their gradients equal one process on the row (`tests/distributed/test_moe_aux_loss.py`, "
+    "CP = 2 and 4, and in `CPTrainer`). Another router loss returned under CP is refused. The chunked loss refuses "
+    "`output_router_logits` (it would drop the term); `CPTrainer` then uses the model's own loss.",
+    "- *Classification heads*: `*ForTokenClassification` is per token and exact. Row-pooling heads "
+    "(`*ForSequenceClassification` — reward models —, `*ForQuestionAnswering`, `*ForMultipleChoice`) give one answer "
+    "per row: refused on packed rows (also at CP = 1) and CP shards; one document per row without CP is the stock "
+    "computation.",
+    "- *`logits_to_keep=k`*: refused under CP (it would keep each shard's last positions); at CP = 1 a packed row's "
+    "last `k` positions, as stock.",
+    "- *A model that computes its own loss* (whisper's causal LM): its logits are exact, but a training batch's "
+    "`labels` / `shift_labels` are refused (compute the loss from the logits); its detail cell says so.",
+)
+
+
 def markdown_table(results: Sequence[CheckResult], *, title: str, seconds: float | None,
                    cp2: Sequence[CheckResult] = (), command: str = "", cp2_ulysses: Sequence[CheckResult] = ()) -> str:
     """The sweep as Markdown: counts, refusal causes, the CP = 2 sample, then one row per architecture.
@@ -123,6 +145,8 @@ def markdown_table(results: Sequence[CheckResult], *, title: str, seconds: float
         "- *FAIL*: different numbers or another error: a bug.",
         "- *n/a*: composite / multimodal wrappers whose text model is checked as its own entry, and architectures "
         "whose stock model cannot be built or run from a default config in this transformers version.",
+        "",
+        *BEYOND_ATTENTION,
         "",
         "Check your own model (a `model_type` or a local config / model folder, shrunk to a tiny size): "
         "`python -m hf_blockdiag_cp.check MODEL_TYPE_OR_PATH [--cp-size 2]`, also installed as "
