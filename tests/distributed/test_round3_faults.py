@@ -3,7 +3,8 @@
 - finding 1: one rank's forward raises in the head (an OOM the loop catches) and it retries while its peer is in
   backward, with the all-to-all exchange, with and without PEFT. The retry's per-forward agreement must run (before
   the fix PEFT's nested hook pair skipped it and gloo paired a forward all-to-all with a gradient all-to-all:
-  ``EnforceNotMet``, SIGABRT): every rank ends in an error within the bound, none dies.
+  ``EnforceNotMet``, SIGABRT): every rank ends in an error within the bound, none dies, and the retrying rank ran the
+  forward agreement twice (once per forward; before the fix once with PEFT).
 """
 
 from __future__ import annotations
@@ -31,15 +32,30 @@ def _oom_retry(rank, world, mesh, config, *, peft: bool):
 
         model = peft_lib.get_peft_model(model, peft_lib.LoraConfig(r=2, target_modules=["q_proj", "v_proj"]))
     model = bd.guard_model(model)
-    if rank == FAULTY:
-        head = model.get_output_embeddings()
-        handle = head.register_forward_hook(lambda *a: (_ for _ in ()).throw(MemoryError("injected OOM")))
-        try:
-            model(ids, position_ids=pos, cp_context=ctx, use_cache=False)
-        except MemoryError:
-            pass  # what a loop that retries after an OOM does
-        handle.remove()
-    harness._step(model, ctx, ids, pos)
+    import hf_blockdiag_cp.model.prepare as prepare
+
+    agreements = []
+    original = prepare.agree_forward
+
+    def counted(module, named):
+        agreements.append(type(module).__name__)
+        return original(module, named)
+
+    prepare.agree_forward = counted
+    try:
+        if rank == FAULTY:
+            head = model.get_output_embeddings()
+            handle = head.register_forward_hook(lambda *a: (_ for _ in ()).throw(MemoryError("injected OOM")))
+            try:
+                model(ids, position_ids=pos, cp_context=ctx, use_cache=False)
+            except MemoryError:
+                pass  # what a loop that retries after an OOM does
+            handle.remove()
+        harness._step(model, ctx, ids, pos)
+    finally:
+        prepare.agree_forward = original
+        if len(agreements) != (2 if rank == FAULTY else 1):  # the retry must agree again (before: skipped)
+            raise AssertionError(f"rank {rank} ran the forward agreement {len(agreements)} times: {agreements}")
 
 
 def _oom_retry_plain(rank, world, mesh, config):
@@ -67,7 +83,8 @@ def _run(names: list[str], world: int = 2) -> dict[str, list]:
 @pytest.mark.timeout(300)
 def test_a_rank_retrying_after_an_oom_while_its_peer_is_in_backward_ends_in_an_error_on_every_rank():
     pytest.importorskip("peft")
-    table = _run(["oom_retry_plain", "oom_retry_peft"])
+    # One spawn each: a rank whose collective failed keeps its (then re-created) default group marked as broken.
+    table = {**_run(["oom_retry_plain"]), **_run(["oom_retry_peft"])}
     for name, rows in table.items():
         for rank, (status, error, message, elapsed) in enumerate(rows):
             assert status == "ran", (name, rank, rows[rank])  # not SIGABRT
