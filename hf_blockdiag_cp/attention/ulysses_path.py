@@ -101,8 +101,8 @@ def ulysses_attention(ctx: BlockDiagCPContext, query: torch.Tensor, key: torch.T
         # A refusal (the model's structure), raised by every rank at the same layer before its all-to-all.
         raise NotImplementedError(
             f"the step's head-parallel layout was planned for {split.num_q_heads} query and {split.num_kv_heads} K/V "
-            f"heads (the collator's heads=, or num_attention_heads / num_key_value_heads of its model_config), but this "
-            f"attention layer has {hq} and {hkv}: the model's layers do not all use the head counts its config names "
+            f"heads (the collator's heads=, or num_attention_heads / num_key_value_heads of its model_config), but "
+            f"this attention layer has {hq} and {hkv}: the model's layers do not all use the head counts its config names "
             "(e.g. more K/V heads on its sliding-window layers, or mixture-of-attention heads), and a head-parallel "
             f"layout plans one head shape for every layer. If every attention layer has {hq} query and {hkv} K/V heads "
             f"pass heads=HeadShape({hq}, {hkv}, {dim}) to the collator instead of model_config; otherwise use "

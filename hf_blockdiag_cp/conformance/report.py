@@ -182,8 +182,8 @@ def markdown_table(results: Sequence[CheckResult], *, title: str, seconds: float
         u = max(r.ulysses_size for r in cp2_ulysses)
         cu = _counts(cp2_ulysses)
         lines += [f"## Head-parallel layout (ulysses_size = {u})", "",
-                  f"At CP = 2 with `ulysses_size={u}` (the collator's head-parallel layout: an all-to-all of the heads, "
-                  f"head shape from `model_config`), of {len(cp2_ulysses)} architectures: **{cu[EXACT]} exact, "
+                  f"At CP = 2 with `ulysses_size={u}` (the collator's head-parallel layout: an all-to-all of the "
+                  f"heads, head shape from `model_config`), of {len(cp2_ulysses)} architectures: **{cu[EXACT]} exact, "
                   f"{cu[REFUSED]} refused, {cu[FAIL]} FAIL, {cu[NOT_APPLICABLE]} not applicable.**", "",
                   f"| model type | CP = 1 | CP = 2 | CP = 2, u = {u} | logits | grads | detail |",
                   "|---|---|---|---|---|---|---|"]

@@ -51,7 +51,7 @@ def check_logits_to_keep(model_type: str, named: dict[str, Any]) -> None:
     if isinstance(keep, torch.Tensor) and keep.numel() == 0 or isinstance(keep, int) and keep == 0:
         return
     raise NotImplementedError(
-        f"{model_type} was given logits_to_keep={keep if isinstance(keep, int) else 'an index tensor'} with a cp_context "
-        f"(CP size {ctx.cp_size}): each rank would keep the last positions (or these indices) of its own shard, not of "
+        f"{model_type} was given logits_to_keep={keep if isinstance(keep, int) else 'an index tensor'} with a "
+        f"cp_context (CP size {ctx.cp_size}): each rank would keep the last positions (or these indices) of its own shard, not of "
         "the row. Run the forward with logits_to_keep=0 and pick the positions from the row's logits (e.g. "
         "CPTrainer.predict gathers them in row order), or run these forwards without CP")

@@ -2,8 +2,9 @@
 
 Each family's tiny model (``output_router_logits=True``, ``router_aux_loss_coef=0.5``) runs one packed row:
 the reference is each document alone through stock attention, the aux loss of their router logits in row order
-(what one process on the whole row computes); CP = 2 and CP = 4 run ``blockdiag_cp`` on the shards with the global target count, and the losses and
-parameter gradients summed over the ranks (the package's convention) must equal the reference's. Before the fix each
+(what one process on the whole row computes); CP = 2 and CP = 4 run ``blockdiag_cp`` on the shards with the global
+target count, and the losses and parameter gradients summed over the ranks (the package's convention) must equal the
+reference's, for contiguous and balanced placements. Before the fix each
 rank added its shard's aux loss (mixtral at CP = 2: 7.706 vs 6.698).
 """
 
