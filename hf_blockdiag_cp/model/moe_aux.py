@@ -17,7 +17,10 @@ What this module does instead, in the prepared model's post-forward hook, on a C
    summed over the ranks, the parameter gradients are those of ``aux_row``);
 4. replace the shard's term in ``output.loss`` by that share and set ``output.aux_loss`` to it.
 
-So ``sum over CP ranks of loss`` and the summed gradients equal one process on the same row. This holds for every
+So ``sum over CP ranks of loss`` and the summed gradients equal one process on the same row. Padding is treated as
+transformers treats it: a token counts unless the forward's ``attention_mask`` says it is padding (the mask is gathered
+with the logits); a ``PackingCollator`` batch has no mask, so its row padding counts here as for one process on the row.
+ This holds for every
 family whose function is the Switch-style one shared by mixtral (checked by comparing the function's bytecode, so a
 family whose variant changes is refused, not silently wrong) and whose causal LM passes ``(router_logits,
 num_experts, num_experts_per_tok, attention_mask)``; any other model returning an ``aux_loss`` under CP is refused.
