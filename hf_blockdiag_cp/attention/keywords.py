@@ -43,7 +43,8 @@ _USED_KEYWORDS = frozenset({
 })
 #: Keywords that reach attention functions but do not change what attention computes (transformers'
 #: sdpa and flash integrations ignore them too): model/cache/output bookkeeping, loss inputs that the
-#: loss reads from the same kwargs, kernel-only hints.
+#: loss reads from the same kwargs, kernel-only hints. (``logits_to_keep`` does not change attention; what it does to
+#: the head under CP is refused by the model's pre-hook: :mod:`hf_blockdiag_cp.model.heads`.)
 _IGNORED_KEYWORDS = frozenset({
     "use_cache", "cache_position", "past_key_values", "past_key_value", "cache", "layer_idx",
     "output_hidden_states", "output_router_logits", "return_dict", "num_items_in_batch", "labels", "shift_labels",
