@@ -15,6 +15,7 @@ import transformers
 from transformers import AutoModelForCausalLM
 
 from ..data import Document, PackedRow, PackingCollator
+from ..training.mesh import ulysses_groups
 from .configs import VOCAB, causal_lm_names, text_config
 
 __all__ = [
@@ -147,8 +148,6 @@ def collated_batch(docs: Sequence[torch.Tensor], *, cp_size: int, cp_rank: int, 
     seq_len = -(-total // cp_size) * cp_size
     extra: dict[str, Any] = {}
     if ulysses_size > 1:
-        from ..training.mesh import ulysses_groups
-
         extra = dict(ulysses_size=ulysses_size, model_config=model_config,
                      ulysses_groups=ulysses_groups(None, ulysses_size))
     collator = PackingCollator(seq_len, cp_size=cp_size, cp_rank=cp_rank, group=group, pad_token_id=pad_token_id,

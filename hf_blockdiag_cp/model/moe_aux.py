@@ -33,6 +33,7 @@ import sys
 from typing import Any
 
 import torch
+from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func as _switch_loss
 
 from ..context import BlockDiagCPContext
 from ..distributed.exchange import all_gather_single, check_usable, wait
@@ -46,12 +47,8 @@ _COEF_ATTRS = ("router_aux_loss_coef", "aux_loss_coef")
 
 
 def _reference_code() -> Any:
-    """The bytecode of transformers' Switch-style load-balancing loss (mixtral's), or ``None``."""
-    try:
-        from transformers.models.mixtral import modeling_mixtral
-    except ImportError:  # pragma: no cover - every supported transformers has mixtral
-        return None
-    return modeling_mixtral.load_balancing_loss_func.__code__
+    """The bytecode of transformers' Switch-style load-balancing loss (mixtral's)."""
+    return _switch_loss.__code__
 
 
 def _loss_function(model: torch.nn.Module) -> Any:
@@ -69,7 +66,7 @@ def router_aux_refusal(model: torch.nn.Module) -> str | None:
         return (f"{type(model).__name__} returns a router auxiliary loss but is not a causal LM calling "
                 "load_balancing_loss_func(router_logits, num_experts, num_experts_per_tok, attention_mask)")
     code = getattr(fn, "__code__", None)
-    if reference is None or code is None or (code.co_code, code.co_names) != (reference.co_code, reference.co_names):
+    if code is None or (code.co_code, code.co_names) != (reference.co_code, reference.co_names):
         return (f"the load_balancing_loss_func of {type(model).__module__} is not the Switch-style loss blockdiag_cp "
                 "knows how to compute over the CP group")
     return None
