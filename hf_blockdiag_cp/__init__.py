@@ -12,7 +12,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from . import training
-from .attention import ATTN_IMPLEMENTATION, BlockDiagMask, blockdiag_attention, blockdiag_cp_attention, register
+from .attention import BlockDiagMask, blockdiag_attention
+from .integration import ATTN_IMPLEMENTATION, blockdiag_cp_attention, register
 from .config import BACKENDS, KV_EXCHANGES, PLACEMENTS, BlockDiagCPConfig
 from .attention.cp import CPKernelError
 from .context import BlockDiagCPContext

@@ -4,7 +4,7 @@ Each entry has a test in tests/package/test_compat.py that fails when the upstre
 behaviour changes; pyproject.toml bounds the dependencies to the versions those tests cover (torch 2.13,
 transformers 5.25, accelerate 1.16). This module imports no part of the package (it sits below every
 subpackage) and no optional or slow dependency: callers pass the objects in. The transformers methods
-the package wraps are listed, and tested, in :mod:`hf_blockdiag_cp.model.transformers_patches`.
+the package wraps are listed, and tested, in :mod:`hf_blockdiag_cp.integration`.
 """
 
 from __future__ import annotations

@@ -23,17 +23,13 @@ device, dtype, features; it never launches a kernel) and ``attention(q, k, v, ca
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, NamedTuple
+from typing import Any, Callable, NamedTuple, TypeVar
 
 import torch
 
 from ..planning import VarlenPlan
 
-if TYPE_CHECKING:
-    from torch.nn.attention.flex_attention import BlockMask
-
-    from .flash import PrefixGuard
-    from .sdpa_doc import DocSchedule
+T = TypeVar("T")
 
 __all__ = ["BackendUnavailable", "KernelCall", "KernelSpec", "PlanSchedules", "TokenCoordinates"]
 
@@ -79,17 +75,19 @@ class PlanSchedules:
 
     Attributes:
         token_coordinates: per packed row, segment and position (dense-mask backends).
-        flash_guard: ``flash``'s long-prefix guard schedule.
-        sdpa_doc: ``sdpa_doc``'s schedule per sliding window (``None``: none).
-        flex_masks: ``flex``'s block mask per sliding window.
-        sdpa_mask: ``sdpa_mask``'s per-segment ``[q_len, k_len]`` masks per sliding window.
+        by_backend: what each backend derives, keyed by ``(backend NAME, key)`` (e.g. the sliding window);
+            this module knows no backend's schedule type (a backend is one module).
     """
 
     token_coordinates: TokenCoordinates | None = None
-    flash_guard: PrefixGuard | None = None
-    sdpa_doc: dict[int | None, DocSchedule] = field(default_factory=dict)
-    flex_masks: dict[int | None, BlockMask] = field(default_factory=dict)
-    sdpa_mask: dict[int | None, tuple[torch.Tensor, ...]] = field(default_factory=dict)
+    by_backend: dict[tuple[str, Any], Any] = field(default_factory=dict)
+
+    def get(self, backend: str, key: Any, build: Callable[[], T]) -> T:
+        """``backend``'s schedule for ``key``, built by ``build()`` the first time it is asked for."""
+        slot = (backend, key)
+        if slot not in self.by_backend:
+            self.by_backend[slot] = build()
+        return self.by_backend[slot]
 
 
 @dataclass(frozen=True, eq=False)

@@ -99,9 +99,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, call: KernelCal
     if not call.flash_prefix_guard or not plan.prefix_segments:
         return fa.flash_attn_varlen_func(q, k, v, plan.cu_seqlens_q, plan.cu_seqlens_k, plan.max_seqlen_q,
                                          plan.max_seqlen_k, **common)
-    guard = call.schedules.flash_guard
-    if guard is None:
-        guard = call.schedules.flash_guard = _build_guard(call)
+    guard = call.schedules.get(NAME, "prefix_guard", lambda: _build_guard(call))
     cq, ck = plan.host_cu_q, plan.host_cu_k
     outs = []
     for i in guard.prefix:

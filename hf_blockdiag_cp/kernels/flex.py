@@ -44,10 +44,7 @@ def _flex_fn(device_type: str):
 
 
 def _block_mask(call: KernelCall):
-    masks = call.schedules.flex_masks
-    if call.window not in masks:
-        masks[call.window] = _build_block_mask(call)
-    return masks[call.window]
+    return call.schedules.get(NAME, call.window, lambda: _build_block_mask(call))
 
 
 def _build_block_mask(call: KernelCall):

@@ -145,10 +145,7 @@ def _build_schedule(plan: VarlenPlan, window: int | None) -> DocSchedule:
 
 def schedule(call: KernelCall) -> DocSchedule:
     """The schedule of ``call.plan`` for ``call.window`` (built once, kept in ``call.schedules``)."""
-    schedules = call.schedules.sdpa_doc
-    if call.window not in schedules:
-        schedules[call.window] = _build_schedule(call.plan, call.window)
-    return schedules[call.window]
+    return call.schedules.get(NAME, call.window, lambda: _build_schedule(call.plan, call.window))
 
 
 def _heads_first(x: torch.Tensor) -> torch.Tensor:

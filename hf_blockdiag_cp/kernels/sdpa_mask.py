@@ -45,10 +45,7 @@ def _build_masks(call: KernelCall) -> tuple[torch.Tensor, ...]:
 
 def segment_masks(call: KernelCall) -> tuple[torch.Tensor, ...]:
     """The plan's per-segment masks for ``call.window`` (built once, kept in ``call.schedules``)."""
-    masks = call.schedules.sdpa_mask
-    if call.window not in masks:
-        masks[call.window] = _build_masks(call)
-    return masks[call.window]
+    return call.schedules.get(NAME, call.window, lambda: _build_masks(call))
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, call: KernelCall) -> torch.Tensor:

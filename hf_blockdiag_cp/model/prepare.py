@@ -1,6 +1,6 @@
 """The one owner of what this package installs on a model: a probe and one ordered pair of forward hooks.
 
-:func:`prepare_model` is called by the transformers integration (:mod:`.transformers_patches`: every
+:func:`prepare_model` is called by the transformers integration (:mod:`hf_blockdiag_cp.integration`: every
 model loaded with, or switched to, ``attn_implementation="blockdiag_cp"``), by
 :func:`~hf_blockdiag_cp.guard_model` (which turns on the strict checks) and by ``CPTrainer`` /
 ``CPSFTTrainer``. Whatever calls it, in whatever order, a prepared model carries exactly:

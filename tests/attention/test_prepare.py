@@ -14,7 +14,8 @@ from transformers import GPT2Config, GPT2LMHeadModel, PreTrainedModel
 
 import hf_blockdiag_cp as bd
 from hf_blockdiag_cp.model import UnsupportedModel, package_hooks, prepare_model, unprepare_model
-from hf_blockdiag_cp.model import prepare, transformers_patches
+from hf_blockdiag_cp import integration as transformers_patches
+from hf_blockdiag_cp.model import prepare
 from tests.reference import tiny_model
 
 LENGTHS = (7, 3, 11, 5)  # one packed row of 26 tokens, no padding

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from hf_blockdiag_cp import BlockDiagCPContext
-from hf_blockdiag_cp.attention.hf import blockdiag_cp_attention, blockdiag_cp_mask
+from hf_blockdiag_cp.integration import blockdiag_cp_attention, blockdiag_cp_mask
 from hf_blockdiag_cp.attention.mask_spec import describe_mask_function
 from hf_blockdiag_cp.conformance import (
     build_model,

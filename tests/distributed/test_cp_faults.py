@@ -116,7 +116,7 @@ def _sync_worker(rank: int, world: int) -> list[list[str]]:
     import torch.distributed as dist
 
     from hf_blockdiag_cp import BlockDiagCPConfig, BlockDiagCPContext
-    from hf_blockdiag_cp.attention.hf import blockdiag_cp_attention
+    from hf_blockdiag_cp.integration import blockdiag_cp_attention
     from tests.reference import tiny_model
     from tests.spies import registered_attention
     from tests.sync_counter import SyncCounter

@@ -1,40 +1,62 @@
-"""The transformers integration: the ``"blockdiag_cp"`` attention function and its registration.
+"""The transformers integration, in one module: the ``"blockdiag_cp"`` attention function, its mask function's
+registration, and every patch of transformers' ``PreTrainedModel`` the package makes.
 
-transformers calls the registered mask function (:mod:`.mask`) once per forward and hands its
-:class:`~.mask.BlockDiagMask` to every layer as ``attention_mask``; the layer's attention function here
+This module sits above :mod:`hf_blockdiag_cp.attention` (the math, which knows nothing of models) and
+:mod:`hf_blockdiag_cp.model` (preparation and refusals); neither imports it.
+
+transformers calls the registered mask function (:mod:`.attention.mask`) once per forward and hands its
+:class:`~.attention.mask.BlockDiagMask` to every layer as ``attention_mask``; the layer's attention function here
 takes its documents from ``cp_context`` (the collator's per-step context: no host reads at all in the
-layers), else from the keyword arguments (:mod:`.keywords`), and runs the plan (:mod:`.core`, or
-:mod:`.cp` for a CP shard).
+layers), else from the keyword arguments (:mod:`.attention.keywords`), and runs the plan (:mod:`.attention.core`, or
+:mod:`.attention.cp` for a CP shard).
 
 What cannot be computed exactly is refused with ``NotImplementedError`` naming the cause, never
 dropped: attention keywords this function does not implement, mask patterns other than those of
-:mod:`.mask_spec`, bidirectional masks, model code that uses the mask itself; model-level refusals
+:mod:`.attention.mask_spec`, bidirectional masks, model code that uses the mask itself; model-level refusals
 (other token mixers, absolute positions, attention that bypasses ``AttentionInterface``) live in
 :mod:`hf_blockdiag_cp.model`.
+
+Everything ``import hf_blockdiag_cp`` patches in transformers: three ``PreTrainedModel`` methods, wrapped.
+
+- ``post_init`` (the end of every model's ``__init__``: ``from_pretrained`` / ``from_config`` /
+  ``Model(config)``): prepare a model built with ``attn_implementation="blockdiag_cp"``
+  (:func:`~.model.prepare.prepare_model`), so users who only pass the attention name get its refusals;
+- ``set_attn_implementation``: prepare a model switched to ``"blockdiag_cp"`` (its outermost models
+  using it);
+- ``_check_and_adjust_attn_implementation`` (transformers' check of a requested implementation, at
+  ``__init__`` and in ``set_attn_implementation``): refuse a model whose attention bypasses
+  ``AttentionInterface`` (:func:`~.model.detect.refuse_bypassing_model`) before it is switched.
+
+Models using other implementations are untouched. Each wrapper carries ``_blockdiag_cp_wrapped``; a
+transformers release that renames a method makes :func:`patch_transformers` raise ``ImportError``
+naming it (tests/model/test_prepare.py checks each one is installed and called).
 """
 
 from __future__ import annotations
 
+import functools
 import warnings
+from collections.abc import Callable
 from typing import Any
 
 import torch
-from transformers import AttentionInterface
+from transformers import AttentionInterface, PreTrainedModel
 from transformers.masking_utils import AttentionMaskInterface
 
-from ..config import ATTN_IMPLEMENTATION, BlockDiagCPConfig
-from ..context import BlockDiagCPContext
-from ..kernels import BackendUnavailable
-from ..model import mark_attention_call, patch_transformers
-from ..model.prepare import check_context_reached
-from .core import attend_flat, autocast_like_sdpa, check_qkv, flat_rows, kernel_spec, resolve_backend
-from .cp import cp_attention
-from .keywords import check_keywords, chunked_context_plan, plan_from_kwargs, refuse_appended_keys
-from .mask import BlockDiagMask, blockdiag_cp_mask
-from .runtime import device_plan
-from .ulysses_path import ulysses_attention
+from .attention.core import attend_flat, autocast_like_sdpa, check_qkv, flat_rows, kernel_spec, resolve_backend
+from .attention.cp import cp_attention
+from .attention.keywords import check_keywords, chunked_context_plan, plan_from_kwargs, refuse_appended_keys
+from .attention.mask import BlockDiagMask, blockdiag_cp_mask
+from .attention.runtime import device_plan
+from .attention.ulysses_path import ulysses_attention
+from .config import ATTN_IMPLEMENTATION, BlockDiagCPConfig
+from .context import BlockDiagCPContext
+from .kernels import BackendUnavailable
+from .model.detect import refuse_bypassing_model, uses_blockdiag_cp
+from .model.prepare import check_context_reached, mark_attention_call, prepare_model
 
-__all__ = ["ATTN_IMPLEMENTATION", "BlockDiagMask", "blockdiag_cp_attention", "blockdiag_cp_mask", "register"]
+__all__ = ["ATTN_IMPLEMENTATION", "PATCHED_METHODS", "WRAPPED_ATTR", "BlockDiagMask", "blockdiag_cp_attention",
+           "blockdiag_cp_mask", "patch_transformers", "prepare_blockdiag_models", "register"]
 
 
 def _model_type(module: torch.nn.Module, mask: BlockDiagMask | None) -> str:
@@ -103,7 +125,8 @@ def _attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, atte
     sinks = kwargs.get("s_aux")  # gpt-oss attention sinks: [Hq] logits joining every softmax denominator
     if isinstance(attention_mask, torch.Tensor):
         if sinks is not None:
-            raise NotImplementedError("blockdiag_cp cannot apply attention sinks (s_aux) with a user-supplied dense mask")
+            raise NotImplementedError("blockdiag_cp cannot apply attention sinks (s_aux) with a user-supplied "
+                                      "dense mask")
         return _dense_user_mask(query, key, value, attention_mask, dropout, scale, softcap)
     mask = attention_mask if isinstance(attention_mask, BlockDiagMask) else None
     chunk_size = mask.spec.chunk_size if mask is not None else None
@@ -157,3 +180,66 @@ def register() -> None:
     AttentionInterface.register(ATTN_IMPLEMENTATION, blockdiag_cp_attention)
     AttentionMaskInterface.register(ATTN_IMPLEMENTATION, blockdiag_cp_mask)
     patch_transformers()
+
+
+WRAPPED_ATTR = "_blockdiag_cp_wrapped"
+
+
+def prepare_blockdiag_models(module: torch.nn.Module) -> None:
+    """Prepare the outermost models in ``module`` (itself included) that use ``blockdiag_cp``."""
+    if isinstance(module, PreTrainedModel) and uses_blockdiag_cp(module):
+        prepare_model(module)
+        return
+    for child in module.children():
+        prepare_blockdiag_models(child)
+
+
+def _wrap_post_init(original: Callable) -> Callable:
+    @functools.wraps(original)
+    def post_init(self: PreTrainedModel, *args: Any, **kwargs: Any) -> Any:
+        out = original(self, *args, **kwargs)
+        if uses_blockdiag_cp(self):
+            prepare_model(self)
+        return out
+    return post_init
+
+
+def _wrap_set_attn_implementation(original: Callable) -> Callable:
+    @functools.wraps(original)
+    def set_attn_implementation(self: PreTrainedModel, *args: Any, **kwargs: Any) -> Any:
+        out = original(self, *args, **kwargs)
+        prepare_blockdiag_models(self)
+        return out
+    return set_attn_implementation
+
+
+def _wrap_check_and_adjust(original: Callable) -> Callable:
+    @functools.wraps(original)
+    def check_and_adjust(self: PreTrainedModel, attn_implementation: Any, *args: Any, **kwargs: Any) -> Any:
+        if attn_implementation == ATTN_IMPLEMENTATION:
+            refuse_bypassing_model(self)
+        return original(self, attn_implementation, *args, **kwargs)
+    return check_and_adjust
+
+
+#: ``PreTrainedModel`` method name -> the function that wraps it (transformers 5.x).
+PATCHED_METHODS: dict[str, Callable[[Callable], Callable]] = {
+    "post_init": _wrap_post_init,
+    "set_attn_implementation": _wrap_set_attn_implementation,
+    "_check_and_adjust_attn_implementation": _wrap_check_and_adjust,
+}
+
+
+def patch_transformers() -> None:
+    """Wrap the :data:`PATCHED_METHODS` of ``PreTrainedModel`` (idempotent)."""
+    for name, wrap in PATCHED_METHODS.items():
+        original = getattr(PreTrainedModel, name, None)
+        if original is None:
+            raise ImportError(f"transformers.PreTrainedModel has no {name} in this transformers version: "
+                              "hf_blockdiag_cp cannot install its model preparation; use a transformers version "
+                              "within the bounds in hf-blockdiag-cp's pyproject.toml")
+        if getattr(original, WRAPPED_ATTR, False):
+            continue
+        wrapper = wrap(original)
+        setattr(wrapper, WRAPPED_ATTR, True)
+        setattr(PreTrainedModel, name, wrapper)
