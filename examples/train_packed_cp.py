@@ -40,7 +40,7 @@ from common import (  # noqa: E402
     report,
     resolve_cp_size,
 )
-from hf_blockdiag_cp.attention.cp import comm_stats  # noqa: E402
+from hf_blockdiag_cp import comm_stats  # noqa: E402
 
 logger = logging.getLogger("train_packed_cp")
 

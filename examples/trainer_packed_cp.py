@@ -44,7 +44,7 @@ from common import (  # noqa: E402
     report,
     trainer_arguments,
 )
-from hf_blockdiag_cp.attention.cp import comm_stats  # noqa: E402
+from hf_blockdiag_cp import comm_stats  # noqa: E402
 
 logger = logging.getLogger("trainer_packed_cp")
 

@@ -15,7 +15,7 @@ from . import training
 from .attention import BlockDiagMask, blockdiag_attention
 from .integration import ATTN_IMPLEMENTATION, blockdiag_cp_attention, register
 from .config import BACKENDS, KV_EXCHANGES, PLACEMENTS, BlockDiagCPConfig
-from .attention.cp import CPKernelError
+from .attention.layer import CPKernelError, comm_stats
 from .context import BlockDiagCPContext
 from .distributed import AgreementError, CollectiveError, ExchangeSizeError
 from .kernels import BackendUnavailable

@@ -5,7 +5,7 @@ as the ``cp_context`` keyword to every attention layer (also through gradient-ch
 and the HF ``Trainer``). It is frozen data: layers only read it, and it pickles (DataLoader workers)
 to the same bytes before and after a step. What the layers derive from it during the step (device
 plans, the rank agreement, the rank's exchange, kernel schedules, byte counters) lives in the
-attention package's :class:`~hf_blockdiag_cp.attention.runtime.StepRuntime`, shared by a context and
+:class:`~hf_blockdiag_cp.runtime.StepRuntime`, shared by a context and
 its device copies through one attribute, :attr:`BlockDiagCPContext.origin`.
 """
 
@@ -70,7 +70,7 @@ class BlockDiagCPContext:
     One attribute is not a field (not compared, not pickled, not carried by ``dataclasses.replace``):
     ``origin``, the context a device copy was made from by :meth:`to` (``None`` on the context the
     collator built). The attention layers key the step's runtime by ``origin or self``, so a context and
-    its device copies share one (:func:`hf_blockdiag_cp.attention.runtime.step_runtime`).
+    its device copies share one (:func:`hf_blockdiag_cp.runtime.step_runtime`).
     """
 
     doc_ids: torch.Tensor

@@ -37,6 +37,7 @@ from __future__ import annotations
 import functools
 import warnings
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -44,19 +45,20 @@ from transformers import AttentionInterface, PreTrainedModel
 from transformers.masking_utils import AttentionMaskInterface
 
 from .attention.core import attend_flat, autocast_like_sdpa, check_qkv, flat_rows, kernel_spec, resolve_backend
-from .attention.cp import cp_attention
+from .attention.cp import sequence_attention
 from .attention.keywords import check_keywords, chunked_context_plan, plan_from_kwargs, refuse_appended_keys
 from .attention.mask import BlockDiagMask, blockdiag_cp_mask
-from .attention.runtime import device_plan
-from .attention.ulysses_path import ulysses_attention
+from .attention.ulysses_path import head_parallel_attention
 from .config import ATTN_IMPLEMENTATION, BlockDiagCPConfig
 from .context import BlockDiagCPContext
 from .kernels import BackendUnavailable
 from .model.detect import refuse_bypassing_model, uses_blockdiag_cp
 from .model.prepare import check_context_reached, mark_attention_call, prepare_model
+from .runtime import DevicePlan, device_plan
 
-__all__ = ["ATTN_IMPLEMENTATION", "PATCHED_METHODS", "WRAPPED_ATTR", "BlockDiagMask", "blockdiag_cp_attention",
-           "blockdiag_cp_mask", "patch_transformers", "prepare_blockdiag_models", "register"]
+__all__ = ["ATTN_IMPLEMENTATION", "PATCHED_METHODS", "STRATEGIES", "WRAPPED_ATTR", "BlockDiagMask", "LayerCall",
+           "blockdiag_cp_attention", "blockdiag_cp_mask", "patch_transformers", "prepare_blockdiag_models",
+           "register"]
 
 
 def _model_type(module: torch.nn.Module, mask: BlockDiagMask | None) -> str:
@@ -117,48 +119,126 @@ def blockdiag_cp_attention(module: torch.nn.Module, query: torch.Tensor, key: to
     return out.reshape(query.shape[0], query.shape[2], query.shape[1], value.shape[-1]), None
 
 
+@dataclass(frozen=True, eq=False)
+class LayerCall:
+    """One attention layer's call, as the strategies below receive it.
+
+    Attributes:
+        query: ``[B, Hq, L, D]``; key, value: ``[B, Hkv, S, D / Dv]`` (same dtype).
+        attention_mask: what the mask function returned (a :class:`BlockDiagMask`), ``None``, or a user tensor.
+        dropout, scale, window, softcap: the layer's attention parameters (``window``: keys visible, ``None``
+            = unlimited).
+        sinks: ``[Hq]`` attention-sink logits (gpt-oss ``s_aux``) or ``None``.
+        ctx: the step's ``cp_context`` (``None``: documents from the keyword arguments).
+        kwargs: the remaining keyword arguments transformers passed.
+    """
+
+    query: torch.Tensor
+    key: torch.Tensor
+    value: torch.Tensor
+    attention_mask: Any
+    dropout: float
+    scale: float
+    window: int | None
+    softcap: float | None
+    sinks: torch.Tensor | None
+    ctx: BlockDiagCPContext | None
+    kwargs: dict[str, Any]
+
+    @property
+    def mask(self) -> BlockDiagMask | None:
+        return self.attention_mask if isinstance(self.attention_mask, BlockDiagMask) else None
+
+    @property
+    def chunk_size(self) -> int | None:
+        return self.mask.spec.chunk_size if self.mask is not None else None
+
+
 def _attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask: Any, dropout: float,
                scale: float, sliding_window: int | None, softcap: float | None, kwargs: dict[str, Any]) -> torch.Tensor:
     """The body of :func:`blockdiag_cp_attention` on same-dtype inputs: ``[B*L, Hq, Dv]`` (or ``[B, L, Hq, Dv]``)."""
-    ctx: BlockDiagCPContext | None = kwargs.get("cp_context")
-    batch, local_len = query.shape[0], query.shape[2]
-    sinks = kwargs.get("s_aux")  # gpt-oss attention sinks: [Hq] logits joining every softmax denominator
-    if isinstance(attention_mask, torch.Tensor):
-        if sinks is not None:
-            raise NotImplementedError("blockdiag_cp cannot apply attention sinks (s_aux) with a user-supplied "
-                                      "dense mask")
-        return _dense_user_mask(query, key, value, attention_mask, dropout, scale, softcap)
-    mask = attention_mask if isinstance(attention_mask, BlockDiagMask) else None
-    chunk_size = mask.spec.chunk_size if mask is not None else None
-    if ctx is not None:
-        if not isinstance(ctx, BlockDiagCPContext):
-            raise TypeError(f"cp_context must be a BlockDiagCPContext, got {type(ctx).__name__}")
-        if mask is not None and (mask.q_offset or mask.kv_offset or key.shape[2] != local_len):
-            raise ValueError("cp_context cannot be combined with a KV cache; pass use_cache=False when training")
-        ctx.check_local(batch, local_len)
-        config = ctx.config
-        if ctx.cp_size > 1 and ctx.ulysses_size > 1:  # head-parallel layout (issue 18)
-            return ulysses_attention(ctx, query, key, value, dropout_p=dropout, scale=scale, window=sliding_window,
-                                     softcap=softcap, sinks=sinks, chunk_size=chunk_size)
-        if ctx.cp_size > 1:
-            # Chunks only remove keys: the same exchange serves them, with a finer plan over its buffer.
-            chunked = None if chunk_size is None else chunked_context_plan(ctx, mask, query.device)
-            return cp_attention(ctx, query, key, value, dropout_p=dropout, scale=scale, window=sliding_window,
-                                softcap=softcap, sinks=sinks, plan=chunked)
-        check_qkv(query, key, value)
-        if chunk_size is None:
-            plan = device_plan(ctx, query.device, sliding_window)
-        else:
-            plan = chunked_context_plan(ctx, mask, query.device)
-    else:
-        check_qkv(query, key, value)
-        config = BlockDiagCPConfig()
-        plan = plan_from_kwargs(query, key, mask, kwargs, config)
-    spec = kernel_spec(query, key, value, dropout_p=dropout, window=sliding_window, softcap=softcap, sinks=sinks)
+    call = LayerCall(query, key, value, attention_mask, dropout, scale, sliding_window, softcap,
+                     kwargs.get("s_aux"), kwargs.get("cp_context"), kwargs)
+    return STRATEGIES[_strategy(call)](call)
+
+
+def _strategy(call: LayerCall) -> str:
+    """Which entry of :data:`STRATEGIES` serves ``call`` (host attribute reads only)."""
+    if isinstance(call.attention_mask, torch.Tensor):
+        return "user_mask"
+    ctx = call.ctx
+    if ctx is None:
+        return "keywords"
+    if not isinstance(ctx, BlockDiagCPContext):
+        raise TypeError(f"cp_context must be a BlockDiagCPContext, got {type(ctx).__name__}")
+    mask = call.mask
+    if mask is not None and (mask.q_offset or mask.kv_offset or call.key.shape[2] != call.query.shape[2]):
+        raise ValueError("cp_context cannot be combined with a KV cache; pass use_cache=False when training")
+    ctx.check_local(call.query.shape[0], call.query.shape[2])
+    if ctx.cp_size == 1:
+        return "local"
+    return "sequence" if ctx.ulysses_size == 1 else "head_parallel"
+
+
+def _run_local(call: LayerCall, plan: DevicePlan, config: BlockDiagCPConfig) -> torch.Tensor:
+    """One process holds every row: the plan's kernel over the layer's own K/V (no exchange)."""
+    query, key, value = call.query, call.key, call.value
+    spec = kernel_spec(query, key, value, dropout_p=call.dropout, window=call.window, softcap=call.softcap,
+                       sinks=call.sinks)
     backend = resolve_backend(config, spec)
-    return attend_flat(flat_rows(query), flat_rows(key), flat_rows(value), plan.plan, backend, scale=scale,
-                       dropout_p=dropout, window=sliding_window, softcap=softcap, sinks=sinks, config=config,
-                       schedules=plan.schedules)
+    return attend_flat(flat_rows(query), flat_rows(key), flat_rows(value), plan.plan, backend, scale=call.scale,
+                       dropout_p=call.dropout, window=call.window, softcap=call.softcap, sinks=call.sinks,
+                       config=config, schedules=plan.schedules)
+
+
+def _user_mask(call: LayerCall) -> torch.Tensor:
+    if call.sinks is not None:
+        raise NotImplementedError("blockdiag_cp cannot apply attention sinks (s_aux) with a user-supplied "
+                                  "dense mask")
+    return _dense_user_mask(call.query, call.key, call.value, call.attention_mask, call.dropout, call.scale,
+                            call.softcap)
+
+
+def _keywords(call: LayerCall) -> torch.Tensor:
+    """No context: the documents come from the keyword arguments (cu_seq_lens / position_ids)."""
+    check_qkv(call.query, call.key, call.value)
+    config = BlockDiagCPConfig()
+    return _run_local(call, plan_from_kwargs(call.query, call.key, call.mask, call.kwargs, config), config)
+
+
+def _local(call: LayerCall) -> torch.Tensor:
+    """A context with ``cp_size == 1``: the context's plan (or the chunked one), no exchange."""
+    check_qkv(call.query, call.key, call.value)
+    ctx = call.ctx
+    if call.chunk_size is None:
+        plan = device_plan(ctx, call.query.device, call.window)
+    else:
+        plan = chunked_context_plan(ctx, call.mask, call.query.device)
+    return _run_local(call, plan, ctx.config)
+
+
+def _sequence(call: LayerCall) -> torch.Tensor:
+    # Chunks only remove keys: the same exchange serves them, with a finer plan over its buffer.
+    chunked = None if call.chunk_size is None else chunked_context_plan(call.ctx, call.mask, call.query.device)
+    return sequence_attention(call.ctx, call.query, call.key, call.value, dropout_p=call.dropout, scale=call.scale,
+                              window=call.window, softcap=call.softcap, sinks=call.sinks, plan=chunked)
+
+
+def _head_parallel(call: LayerCall) -> torch.Tensor:
+    return head_parallel_attention(call.ctx, call.query, call.key, call.value, dropout_p=call.dropout,
+                                   scale=call.scale, window=call.window, softcap=call.softcap, sinks=call.sinks,
+                                   chunk_size=call.chunk_size)
+
+
+#: How a layer's call is served, by :func:`_strategy`'s answer: each returns ``[B*L, Hq, Dv]`` (or
+#: ``[B, L, Hq, Dv]``). A new layout adds one entry and one function in :mod:`hf_blockdiag_cp.attention`.
+STRATEGIES: dict[str, Callable[[LayerCall], torch.Tensor]] = {
+    "user_mask": _user_mask,  # a caller-built 4-D mask: dense SDPA with that exact mask
+    "keywords": _keywords,  # no cp_context: plan from cu_seq_lens / position_ids
+    "local": _local,  # cp_context with cp_size == 1
+    "sequence": _sequence,  # cp_size > 1, ulysses_size == 1 (attention/cp.py)
+    "head_parallel": _head_parallel,  # cp_size > 1, ulysses_size > 1 (attention/ulysses_path.py)
+}
 
 
 def _dense_user_mask(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor, dropout: float,

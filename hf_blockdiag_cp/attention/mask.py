@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from .mask_spec import MaskSpec, describe_mask_function
-from .runtime import DevicePlan
+from ..runtime import DevicePlan
 
 __all__ = ["BlockDiagMask", "MaskConsumedError", "blockdiag_cp_mask"]
 

@@ -70,7 +70,7 @@ class PlanSchedules:
     """What backends derive from one device-resident plan, each built at most once per plan.
 
     Not data: the owner of the plan for a step keeps it next to the plan (the attention layers'
-    :class:`~hf_blockdiag_cp.attention.runtime.StepRuntime`, or a forward's mask for plans derived from
+    :class:`~hf_blockdiag_cp.runtime.StepRuntime`, or a forward's mask for plans derived from
     keyword arguments), so every layer and every activation-checkpoint recompute reuses it.
 
     Attributes:

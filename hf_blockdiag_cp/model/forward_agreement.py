@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import datetime
 import weakref
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -30,23 +29,14 @@ from ..distributed.agreement import FORWARD_TENSORS, agree_on_forward, dtype_cod
 from ..distributed.groups import GroupRef
 from ..planning.fingerprint import shard_checksum
 from ..planning.layout import config_values
+from ..runtime import find_runtime, step_runtime
 
 __all__ = ["agree_forward", "forward_count"]
 
 
-@dataclass(eq=False)
-class _Forwards:
-    """The forwards run on one context so far (this rank)."""
-
-    count: int = 0
-
-
-#: Forwards per live context (keyed like the step runtime: ``ctx.origin or ctx``); this module's one cache.
-_FORWARDS: weakref.WeakKeyDictionary[BlockDiagCPContext, _Forwards] = weakref.WeakKeyDictionary()
-
-
 #: Per model, its modules that have a ``gradient_checkpointing`` flag (found once: walking every module
-#: on every forward costs more than the collective); this module's second cache.
+#: on every forward costs more than the collective); this module's one cache. The forward counter lives in
+#: the step's run-time state (:class:`hf_blockdiag_cp.runtime.StepRuntime`).
 _FLAGGED: weakref.WeakKeyDictionary[torch.nn.Module, tuple[torch.nn.Module, ...]] = weakref.WeakKeyDictionary()
 
 
@@ -60,8 +50,8 @@ def _checkpointing(model: torch.nn.Module) -> bool:
 
 def forward_count(ctx: BlockDiagCPContext) -> int:
     """How many model forwards this rank ran on ``ctx`` (and its device copies)."""
-    found = _FORWARDS.get(ctx if ctx.origin is None else ctx.origin)
-    return 0 if found is None else found.count
+    found = find_runtime(ctx)
+    return 0 if found is None else found.forwards
 
 
 def agree_forward(model: torch.nn.Module, named: dict[str, Any]) -> None:
@@ -76,11 +66,8 @@ def agree_forward(model: torch.nn.Module, named: dict[str, Any]) -> None:
     ctx = named.get("cp_context")
     if not isinstance(ctx, BlockDiagCPContext) or ctx.cp_size <= 1:
         return
-    owner = ctx if ctx.origin is None else ctx.origin
-    forwards = _FORWARDS.get(owner)
-    if forwards is None:
-        forwards = _FORWARDS[owner] = _Forwards()
-    forwards.count += 1
+    runtime = step_runtime(ctx)
+    runtime.forwards += 1
     if ctx.group is None or isinstance(ctx.group, GroupRef) or not dist.is_initialized():
         return
     param = next((p for p in model.parameters() if p.is_floating_point()), None)
@@ -96,7 +83,7 @@ def agree_forward(model: torch.nn.Module, named: dict[str, Any]) -> None:
     heads = _config_int(config, "num_attention_heads")
     hidden = _config_int(config, "hidden_size")
     fields = {
-        "forward": forwards.count,
+        "forward": runtime.forwards,
         "grad_enabled": int(grad),
         "training": int(model.training),
         # What HF layers test before recomputing (GradientCheckpointingLayer): flag, training, grad mode.

@@ -1,5 +1,5 @@
 """The context and its plans stay frozen data; what layers fill in during a step lives in one
-StepRuntime (attention/runtime.py), created once per step and shared by the context's device copies."""
+StepRuntime (hf_blockdiag_cp/runtime.py), created once per step and shared by the context's device copies."""
 
 from __future__ import annotations
 
@@ -12,9 +12,9 @@ import pytest
 import torch
 
 from hf_blockdiag_cp import BlockDiagCPContext, VarlenPlan
-from hf_blockdiag_cp.attention import runtime
-from hf_blockdiag_cp.attention.cp import comm_stats, step_backends
-from hf_blockdiag_cp.attention.runtime import PlanKey, device_plan, step_runtime
+from hf_blockdiag_cp import runtime
+from hf_blockdiag_cp.attention.layer import comm_stats, step_backends
+from hf_blockdiag_cp.runtime import PlanKey, device_plan, step_runtime
 from tests.reference import tiny_model
 
 LENGTHS = [7, 1, 12, 4]

@@ -30,7 +30,7 @@ def _fallback_worker(rank: int, world: int) -> dict:
     import torch.distributed as dist
 
     from hf_blockdiag_cp import BlockDiagCPConfig, BlockDiagCPContext
-    from hf_blockdiag_cp.attention.cp import step_backends
+    from hf_blockdiag_cp.attention.layer import step_backends
     from tests.reference import tiny_model
 
     doc_ids, ids, pos, sl = _inputs(rank, world)

@@ -56,7 +56,7 @@ def _model_worker(rank: int, world: int) -> dict:
     import torch.distributed as dist
 
     import hf_blockdiag_cp as bd
-    from hf_blockdiag_cp.attention.cp import step_backends
+    from hf_blockdiag_cp.attention.layer import step_backends
     from tests.reference import tiny_model
 
     report = {}
