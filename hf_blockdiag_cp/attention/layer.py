@@ -22,11 +22,10 @@ import datetime
 import torch
 import torch.distributed as dist
 
-from ..config import BACKENDS
 from ..context import BlockDiagCPContext
 from ..distributed import CommStats, RankExchange, agree_on_backends, exchange_kv, mark_broken
 from ..distributed.groups import GroupRef
-from ..kernels import KernelSpec, available_backends
+from ..kernels import KernelSpec, available_backends, backend_names
 from ..planning import PlanError
 from ..planning.exchange import Strategy
 from ..runtime import DevicePlan, plan_key, step_runtime
@@ -34,9 +33,6 @@ from .core import attend_flat, check_qkv, resolve_backend
 
 __all__ = ["CPKernelError", "check_local_rows", "comm_stats", "exchange_fused_kv", "kernel_failed", "kv_exchange",
            "require_live_group", "run_kernel", "step_backend", "step_backends"]
-
-#: Bit order of the backend availability mask the ranks exchange (the same on every rank).
-_BACKEND_BITS: tuple[str, ...] = tuple(name for name in BACKENDS if name != "auto")
 
 
 class CPKernelError(RuntimeError):
@@ -109,7 +105,7 @@ def _agreed_backends(ctx: BlockDiagCPContext, spec: KernelSpec, device: torch.de
         config = ctx.config
         runtime.agreed_backends = agree_on_backends(
             available_backends(spec, config.disabled_backends),
-            _BACKEND_BITS,
+            backend_names(),  # the bit order of the availability mask: registration order, alike on every rank
             data_fingerprint=ctx.data_fingerprint,
             plan_fingerprint=ctx.plan_fingerprint,
             group=ctx.group,

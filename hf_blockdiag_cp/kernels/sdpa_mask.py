@@ -18,19 +18,13 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .base import KernelCall, KernelSpec, reject_unsupported, token_coordinates, visible
+from .base import Capabilities, KernelCall, reject_unsupported, token_coordinates, visible
 
 NAME = "sdpa_mask"
 
 
-def unavailable_reason(spec: KernelSpec) -> str | None:
-    if not spec.dtype.is_floating_point:
-        return f"sdpa_mask needs a floating dtype, got {spec.dtype}"
-    if spec.softcap is not None:
-        return "sdpa_mask (scaled_dot_product_attention) has no logit softcapping"
-    if spec.sinks:
-        return "sdpa_mask (scaled_dot_product_attention) has no attention sinks"
-    return None
+CAPABILITIES = Capabilities(NAME, "sdpa_mask (scaled_dot_product_attention)", softcap=False, sinks=False,
+                            last_resort=1)
 
 
 def _build_masks(call: KernelCall) -> tuple[torch.Tensor, ...]:
