@@ -111,7 +111,7 @@ def _worker(cfg: dict) -> list[dict]:
     import torch
     import torch.nn.functional as F
 
-    from hf_blockdiag_cp import build_varlen_plan
+    from hf_blockdiag_cp.planning import build_varlen_plan
     from hf_blockdiag_cp.attention.core import attend_flat, flat_rows, kernel_spec
     from hf_blockdiag_cp.config import BACKENDS
     from hf_blockdiag_cp.kernels import BackendUnavailable, unavailable_reason

@@ -202,7 +202,8 @@ def _user_mask(call: LayerCall) -> torch.Tensor:
 def _keywords(call: LayerCall) -> torch.Tensor:
     """No context: the documents come from the keyword arguments (cu_seq_lens / position_ids)."""
     check_qkv(call.query, call.key, call.value)
-    config = BlockDiagCPConfig()
+    # The mask (built once per forward) read the configuration; without one (a direct call) read it here.
+    config = call.mask.config if call.mask is not None else BlockDiagCPConfig()
     return _run_local(call, plan_from_kwargs(call.query, call.key, call.mask, call.kwargs, config), config)
 
 

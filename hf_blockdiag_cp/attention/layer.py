@@ -30,16 +30,10 @@ from ..planning import PlanError
 from ..planning.exchange import Strategy
 from ..runtime import DevicePlan, plan_key, step_runtime
 from .core import attend_flat, check_qkv, resolve_backend
+from ..errors import CPKernelError
 
 __all__ = ["CPKernelError", "check_local_rows", "comm_stats", "exchange_fused_kv", "kernel_failed", "kv_exchange",
            "require_live_group", "run_kernel", "step_backend", "step_backends"]
-
-
-class CPKernelError(RuntimeError):
-    """An attention kernel raised on this rank during a CP step (its peers will fail in their next
-    collective, within ``collective_timeout_s``). The CP group is recorded as broken: its next use on this
-    rank raises :class:`~hf_blockdiag_cp.distributed.CollectiveError` instead of entering a collective
-    its peers left."""
 
 
 def kernel_failed(ctx: BlockDiagCPContext, backend: str, err: BaseException) -> CPKernelError:

@@ -22,12 +22,9 @@ import torch.distributed as dist
 
 from ..planning.fingerprint import PLAN_FIELDS, describe_plan_field
 from .exchange import CollectiveError, all_gather_single, check_usable, wait
+from ..errors import AgreementError
 
 __all__ = ["AgreementError", "agree_on_backends", "agree_on_values"]
-
-
-class AgreementError(RuntimeError):
-    """CP ranks disagree about the step (different data, plans or topology); raised on every rank alike."""
 
 
 def _mask(names: frozenset[str], universe: Sequence[str]) -> int:

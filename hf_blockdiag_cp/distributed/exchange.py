@@ -33,6 +33,8 @@ import torch
 import torch.distributed as dist
 
 from ..planning.exchange import RankTransfer, Strategy
+from ..errors import CollectiveError
+from ..errors import ExchangeSizeError
 
 __all__ = ["CollectiveError", "CommStats", "ExchangeSizeError", "RankExchange", "check_message", "check_usable",
            "exchange_kv", "mark_broken", "wait"]
@@ -41,18 +43,6 @@ __all__ = ["CollectiveError", "CommStats", "ExchangeSizeError", "RankExchange", 
 # torch 2.13 renamed the single-tensor collectives (the old names warn); older torch has only those.
 all_gather_single = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
 reduce_scatter_single = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)
-
-
-class CollectiveError(RuntimeError):
-    """A collective of the CP group failed or timed out (usually: a peer rank failed first).
-
-    The group is unusable afterwards: every later collective of this package on it raises this error
-    again at once. Catching it and going on cannot work; end the job and restart it (e.g. from the
-    last checkpoint)."""
-
-
-class ExchangeSizeError(ValueError):
-    """A K/V message does not have the size the plan gives its receiver (raised before it is sent)."""
 
 
 #: What happened to each broken group: group -> description of the failure. The one record of broken

@@ -31,12 +31,9 @@ from ..planning import VarlenPlan
 from ._imports import optional_import
 
 T = TypeVar("T")
+from ..errors import BackendUnavailable
 
 __all__ = ["BackendUnavailable", "Capabilities", "KernelCall", "KernelSpec", "PlanSchedules", "TokenCoordinates"]
-
-
-class BackendUnavailable(NotImplementedError):
-    """The requested backend cannot compute this call exactly (raised instead of computing something else)."""
 
 
 @dataclass(frozen=True)

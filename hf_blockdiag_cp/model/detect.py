@@ -29,6 +29,7 @@ import torch
 from transformers import PreTrainedModel
 
 from ..config import ATTN_IMPLEMENTATION
+from ..errors import UnsupportedModel
 
 __all__ = ["UnsupportedModel", "has_absolute_positions", "loss_refusal", "model_type", "packing_refusal", "padding_refusal", "refuse_bypassing_model",
            "require_blockdiag_cp", "uses_blockdiag_cp"]
@@ -40,11 +41,6 @@ _MIXER_PATTERN = re.compile(
 
 #: Module paths of other modalities' encoders (their convolutions run over audio/image features).
 _NON_TEXT_PATTERN = re.compile(r"(^|[._])(audio|vision|visual|image|speech|video)", re.IGNORECASE)
-
-
-class UnsupportedModel(NotImplementedError):
-    """The model cannot be computed exactly by blockdiag_cp for this batch (raised instead of computing
-    something else)."""
 
 
 def model_type(model: torch.nn.Module) -> str:

@@ -28,12 +28,9 @@ from dataclasses import dataclass
 import torch
 
 from .documents import as_doc_ids, document_spans
+from ..errors import PlanError
 
 __all__ = ["PlanError", "QueryPiece", "Segment", "VarlenPlan", "build_varlen_plan", "plan_from_segments"]
-
-
-class PlanError(ValueError):
-    """A plan (or the metadata it was built from) is inconsistent; raised on the host, before any kernel."""
 
 
 @dataclass(frozen=True)

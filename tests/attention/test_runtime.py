@@ -11,7 +11,8 @@ import weakref
 import pytest
 import torch
 
-from hf_blockdiag_cp import BlockDiagCPContext, VarlenPlan
+from hf_blockdiag_cp import BlockDiagCPContext
+from hf_blockdiag_cp.planning import VarlenPlan
 from hf_blockdiag_cp import runtime
 from hf_blockdiag_cp.attention.layer import comm_stats, step_backends
 from hf_blockdiag_cp.runtime import PlanKey, device_plan, step_runtime

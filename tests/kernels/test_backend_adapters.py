@@ -15,7 +15,8 @@ import warnings
 import pytest
 import torch
 
-from hf_blockdiag_cp import BlockDiagCPConfig, blockdiag_attention, build_varlen_plan
+from hf_blockdiag_cp import BlockDiagCPConfig, blockdiag_attention
+from hf_blockdiag_cp.planning import build_varlen_plan
 from hf_blockdiag_cp.attention.core import attend_flat, flat_rows
 from hf_blockdiag_cp.config import BACKENDS
 from hf_blockdiag_cp.kernels import (

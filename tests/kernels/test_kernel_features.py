@@ -15,7 +15,8 @@ import warnings
 import pytest
 import torch
 
-from hf_blockdiag_cp import blockdiag_attention, build_varlen_plan
+from hf_blockdiag_cp import blockdiag_attention
+from hf_blockdiag_cp.planning import build_varlen_plan
 from hf_blockdiag_cp.kernels import (
     BackendUnavailable,
     KernelCall,
