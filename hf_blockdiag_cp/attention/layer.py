@@ -25,12 +25,12 @@ import torch.distributed as dist
 from ..context import BlockDiagCPContext
 from ..distributed import CommStats, RankExchange, agree_on_backends, exchange_kv, mark_broken
 from ..distributed.groups import GroupRef
+from ..errors import CPKernelError
 from ..kernels import KernelSpec, available_backends, backend_names
 from ..planning import PlanError
 from ..planning.exchange import Strategy
 from ..runtime import DevicePlan, plan_key, step_runtime
 from .core import attend_flat, check_qkv, resolve_backend
-from ..errors import CPKernelError
 
 __all__ = ["CPKernelError", "check_local_rows", "comm_stats", "exchange_fused_kv", "kernel_failed", "kv_exchange",
            "require_live_group", "run_kernel", "step_backend", "step_backends"]

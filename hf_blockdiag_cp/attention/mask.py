@@ -15,10 +15,10 @@ from typing import Any
 
 import torch
 
-from .mask_spec import MaskSpec, describe_mask_function
 from ..config import BlockDiagCPConfig
-from ..runtime import DevicePlan
 from ..errors import MaskConsumedError
+from ..runtime import DevicePlan
+from .mask_spec import MaskSpec, describe_mask_function
 
 __all__ = ["BlockDiagMask", "MaskConsumedError", "blockdiag_cp_mask"]
 
@@ -119,7 +119,8 @@ def blockdiag_cp_mask(batch_size: int, q_length: int, kv_length: int, q_offset: 
     padding, source = None, attention_mask
     if attention_mask is not None:
         if attention_mask.dim() != 2:
-            raise ValueError(f"blockdiag_cp expects a 2-D padding attention_mask, got shape {tuple(attention_mask.shape)}")
+            raise ValueError(f"blockdiag_cp expects a 2-D padding attention_mask, got shape "
+                             f"{tuple(attention_mask.shape)}")
         padding = attention_mask.to(torch.bool)
         end = kv_offset + kv_length
         if padding.shape[-1] < end:  # static caches size keys beyond what was seen: those are not real

@@ -90,7 +90,8 @@ class PackingCollator:
         if self.placement not in PLACEMENTS:
             raise ValueError(f"placement={self.placement!r} is not one of {', '.join(PLACEMENTS)}")
         if self.placement == "zigzag" and seq_len % (2 * self.cp_size):
-            raise ValueError(f"placement='zigzag' needs seq_len={seq_len} divisible by 2 * cp_size = {2 * self.cp_size}")
+            raise ValueError(f"placement='zigzag' needs seq_len={seq_len} divisible by 2 * cp_size = "
+                             f"{2 * self.cp_size}")
         if vocab_size is not None and (isinstance(vocab_size, bool) or not isinstance(vocab_size, int)
                                        or not pad_token_id < vocab_size):
             raise ValueError(f"vocab_size={vocab_size!r} must be None or an int above pad_token_id={pad_token_id}")

@@ -20,9 +20,9 @@ from collections.abc import Callable, Sequence
 import torch
 import torch.distributed as dist
 
+from ..errors import AgreementError
 from ..planning.fingerprint import PLAN_FIELDS, describe_plan_field
 from .exchange import CollectiveError, all_gather_single, check_usable, wait
-from ..errors import AgreementError
 
 __all__ = ["AgreementError", "agree_on_backends", "agree_on_values"]
 
@@ -116,8 +116,8 @@ def _plan_mismatch(plans: list[int], fields: list[list[int]]) -> str:
 
 def agree_on_values(values: dict[str, int], checksums: Sequence[torch.Tensor | int], expected: Sequence[int], *,
                     causes: dict[str, str], checked: dict[str, str], describe: Callable[[str, int], str],
-                    what: str, subject: str, on_timeout: str, tag: int, group, rank: int, size: int, timeout: datetime.timedelta,
-                    device: torch.device) -> None:
+                    what: str, subject: str, on_timeout: str, tag: int, group, rank: int, size: int,
+                    timeout: datetime.timedelta, device: torch.device) -> None:
     """One small collective in which every rank of ``group`` sends named integers and checksums; raises
     :class:`AgreementError` on every rank alike when they differ.
 

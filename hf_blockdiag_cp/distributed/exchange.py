@@ -32,9 +32,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from ..errors import CollectiveError, ExchangeSizeError
 from ..planning.exchange import RankTransfer, Strategy
-from ..errors import CollectiveError
-from ..errors import ExchangeSizeError
 
 __all__ = ["CollectiveError", "CommStats", "ExchangeSizeError", "RankExchange", "check_message", "check_usable",
            "exchange_kv", "mark_broken", "wait"]
@@ -264,7 +263,8 @@ class _AllToAll(torch.autograd.Function):
         check_usable(ex.group, "K/V gradient exchange", ex.rank)
         recv = ex.recv_rows
         returned = grad.new_empty(ex.send_index.numel(), grad.shape[1])
-        work = dist.all_to_all_single(returned, grad[:recv].contiguous(), output_split_sizes=list(ex.transfer.send_splits),
+        work = dist.all_to_all_single(returned, grad[:recv].contiguous(),
+                                      output_split_sizes=list(ex.transfer.send_splits),
                                       input_split_sizes=list(ex.transfer.recv_splits), group=ex.group, async_op=True)
         wait(work, "K/V gradient all-to-all", ex.rank, ex.timeout, group=ex.group)
         grad_local = grad[recv:].clone()

@@ -27,13 +27,13 @@ from typing import Any, Callable, NamedTuple, TypeVar
 
 import torch
 
+from ..errors import BackendUnavailable
 from ..planning import VarlenPlan
 from ._imports import optional_import
 
-T = TypeVar("T")
-from ..errors import BackendUnavailable
-
 __all__ = ["BackendUnavailable", "Capabilities", "KernelCall", "KernelSpec", "PlanSchedules", "TokenCoordinates"]
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)

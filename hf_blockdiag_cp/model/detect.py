@@ -31,8 +31,8 @@ from transformers import PreTrainedModel
 from ..config import ATTN_IMPLEMENTATION
 from ..errors import UnsupportedModel
 
-__all__ = ["UnsupportedModel", "has_absolute_positions", "loss_refusal", "model_type", "packing_refusal", "padding_refusal", "refuse_bypassing_model",
-           "require_blockdiag_cp", "uses_blockdiag_cp"]
+__all__ = ["UnsupportedModel", "has_absolute_positions", "loss_refusal", "model_type", "packing_refusal",
+           "padding_refusal", "refuse_bypassing_model", "require_blockdiag_cp", "uses_blockdiag_cp"]
 
 #: Class-name patterns of token mixers other than attention (checked against every submodule).
 _MIXER_PATTERN = re.compile(

@@ -53,7 +53,6 @@ import dataclasses
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
@@ -63,7 +62,8 @@ from .exchange import ExchangePlan, plan_exchange
 from .placement import Placement, make_placement, rank_work
 from .varlen import PlanError
 
-__all__ = ["CostModel", "HeadShape", "HeadSplit", "LayoutCost", "LayoutPlan", "a2a_elements", "layout_costs", "plan_layout", "valid_ulysses_sizes"]
+__all__ = ["CostModel", "HeadShape", "HeadSplit", "LayoutCost", "LayoutPlan", "a2a_elements", "layout_costs",
+           "plan_layout", "valid_ulysses_sizes"]
 
 #: Backward attention FLOPs over forward ones (five matrix products against two).
 BACKWARD_FACTOR = 2.5

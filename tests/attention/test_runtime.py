@@ -11,10 +11,9 @@ import weakref
 import pytest
 import torch
 
-from hf_blockdiag_cp import BlockDiagCPContext
-from hf_blockdiag_cp.planning import VarlenPlan
-from hf_blockdiag_cp import runtime
+from hf_blockdiag_cp import BlockDiagCPContext, runtime
 from hf_blockdiag_cp.attention.layer import comm_stats, step_backends
+from hf_blockdiag_cp.planning import VarlenPlan
 from hf_blockdiag_cp.runtime import PlanKey, device_plan, step_runtime
 from tests.reference import tiny_model
 

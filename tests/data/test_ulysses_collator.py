@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import logging
 import pickle
-from types import SimpleNamespace
 
 import pytest
 import torch

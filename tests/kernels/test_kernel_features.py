@@ -16,7 +16,6 @@ import pytest
 import torch
 
 from hf_blockdiag_cp import blockdiag_attention
-from hf_blockdiag_cp.planning import build_varlen_plan
 from hf_blockdiag_cp.kernels import (
     BackendUnavailable,
     KernelCall,
@@ -28,6 +27,7 @@ from hf_blockdiag_cp.kernels import (
     torch_varlen,
     unavailable_reason,
 )
+from hf_blockdiag_cp.planning import build_varlen_plan
 from tests.layouts import runs as _runs
 from tests.reference import dense_reference
 from tests.standins import standins  # noqa: F401 (fixture)

@@ -12,7 +12,6 @@ import torch.distributed as dist
 
 from hf_blockdiag_cp import compat
 
-
 # ---- torch: the CPU flash-attention ops (kernels/sdpa_doc.py) ----------------------------------------------
 
 def _qkv(requires_grad: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

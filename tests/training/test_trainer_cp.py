@@ -113,7 +113,8 @@ def _one_step_worker(rank: int, world: int, tmp: str) -> dict:
     rows = bd.PackedDataset(examples, 32)
     assert len(list(rows)) == 3
     args = _training_args(tmp, per_device_train_batch_size=1, per_device_eval_batch_size=1, max_steps=3)
-    trainer = bd.CPTrainer(model=model, args=args, train_dataset=rows, data_collator=bd.PackingCollator(32, pad_token_id=0), mesh=dp_mesh)
+    trainer = bd.CPTrainer(model=model, args=args, train_dataset=rows,
+                           data_collator=bd.PackingCollator(32, pad_token_id=0), mesh=dp_mesh)
     trainer.train()
     losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
     assert trainer.state.global_step == 3 and len(losses) == 3 and all(math.isfinite(x) for x in losses)
