@@ -28,6 +28,7 @@ import sys
 import torch
 from transformers import PreTrainedModel
 
+from ..compat import can_set_attn_implementation
 from ..config import ATTN_IMPLEMENTATION
 from ..errors import UnsupportedModel
 
@@ -205,9 +206,9 @@ def refuse_bypassing_model(model: torch.nn.Module) -> None:
         composite = config is not None and config.get_text_config() is not config
     except (ValueError, AttributeError):
         composite = True
-    can_set = getattr(type(model), "_can_set_attn_implementation", None)
+    can_set = can_set_attn_implementation(type(model))
     by_name = _picks_attention_class_by_name(type(model))
-    if not by_name and (composite or can_set is None or can_set()):
+    if not by_name and (composite or can_set is None or can_set):
         return
     raise UnsupportedModel(
         f"{model_type(model)} ({type(model).__name__}) does not route attention through transformers' "
