@@ -30,9 +30,9 @@ from ..planning import (
 )
 from ..planning.documents import check_cu_seqlens, run_boundaries, run_starts
 from ..planning.varlen import Segment
+from ..runtime import DevicePlan
 from .mask import BlockDiagMask
 from .mask_spec import MaskSpec
-from .runtime import DevicePlan
 
 __all__ = ["check_keywords", "chunked_context_plan", "plan_from_kwargs", "refuse_appended_keys"]
 
@@ -44,7 +44,7 @@ _USED_KEYWORDS = frozenset({
 #: Keywords that reach attention functions but do not change what attention computes (transformers'
 #: sdpa and flash integrations ignore them too): model/cache/output bookkeeping, loss inputs that the
 #: loss reads from the same kwargs, kernel-only hints. (``logits_to_keep`` does not change attention; what it does to
-#: the head under CP is refused by the model's pre-hook: :mod:`hf_blockdiag_cp.model.heads`.)
+#: the head under CP is refused by the model's pre-hook: :mod:`hf_blockdiag_cp.model.head_refusals`.)
 _IGNORED_KEYWORDS = frozenset({
     "use_cache", "cache_position", "past_key_values", "past_key_value", "cache", "layer_idx",
     "output_hidden_states", "output_router_logits", "return_dict", "num_items_in_batch", "labels", "shift_labels",

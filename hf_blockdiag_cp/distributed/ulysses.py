@@ -21,9 +21,9 @@ gloo runs it too. No host reads: every size is known from the shapes and the :cl
 from __future__ import annotations
 
 import datetime
-from typing import Any
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist

@@ -1,57 +1,64 @@
-"""What a model's head does with the row, beyond attention: row-pooling heads and ``logits_to_keep``.
-
-- **Row-pooling heads** (``*ForSequenceClassification`` — reward models —, ``*ForQuestionAnswering``,
-  ``*ForMultipleChoice``) reduce each *row* to one answer: the score of the row's last non-pad token, a softmax over
-  the row's positions. A packed row holds several documents (one score per row, not per document, even at CP = 1),
-  and under CP each rank holds a shard (the rank without the row's last token pools another token). Refused for
-  packed or sharded batches; one document per row (padded), without CP, is the model's own computation.
-  ``*ForTokenClassification`` is per token and exact.
-- **``logits_to_keep=k``** keeps the last ``k`` positions of what the head sees: under CP the last ``k`` of each
-  rank's *shard*, not of the row. Refused under CP (``k != 0``); an empty index tensor (no logits at all, what
-  :func:`~hf_blockdiag_cp.chunked_causal_lm_loss` asks for) is fine. At CP = 1 a packed row's last ``k`` positions
-  are what one process computes on that row, as without the package.
-"""
+"""What the package reads from a transformers model config: attribute values (also when set per layer) and the
+attention head geometry. The planning code takes a :class:`~hf_blockdiag_cp.planning.layout.HeadShape` and
+knows no model config."""
 
 from __future__ import annotations
 
 from typing import Any
 
-import torch
+from ..planning.layout import HeadShape
 
-__all__ = ["ROW_POOLING_SUFFIXES", "check_logits_to_keep", "row_pooling_refusal"]
-
-#: Task suffixes of transformers model classes whose head pools a whole row into one output.
-ROW_POOLING_SUFFIXES = ("ForSequenceClassification", "ForQuestionAnswering", "ForMultipleChoice")
+__all__ = ["config_int", "config_values", "head_shape", "text_config"]
 
 
-def row_pooling_refusal(model: torch.nn.Module) -> str | None:
-    """Why ``model``'s head cannot serve packed or CP-sharded rows (``None``: it pools nothing across the row).
-
-    Found from the model's class (and the classes it derives from), so a ``LlamaForSequenceClassification`` wrapped
-    by PEFT is found through the wrapped model it is prepared as.
-    """
-    for cls in type(model).__mro__:
-        name = cls.__name__
-        suffix = next((s for s in ROW_POOLING_SUFFIXES if name.endswith(s)), None)
-        if suffix is not None:
-            return (f"{type(model).__name__} pools each row into one output ({suffix[3:]}: e.g. the score of the "
-                    "row's last non-pad token): with several documents in a row it gives one answer per row, not per "
-                    "document, and under CP each rank pools its own shard. Give it one document per row (padded, "
-                    "without cu_seq_lens_*/packed position_ids) and no cp_context, or use a token-level head "
-                    "(ForTokenClassification / a causal LM) and pool per document yourself")
-    return None
+def text_config(config: object) -> object:
+    """The text (language model) config of ``config`` (multimodal configs), else ``config`` itself."""
+    text = getattr(config, "get_text_config", None)
+    return text() if callable(text) else config
 
 
-def check_logits_to_keep(model_type: str, named: dict[str, Any]) -> None:
-    """Refuse ``logits_to_keep`` that would keep the last positions of each CP shard instead of the row's."""
-    ctx = named.get("cp_context")
-    keep = named.get("logits_to_keep")
-    if getattr(ctx, "cp_size", 1) <= 1 or keep is None:
-        return
-    if isinstance(keep, torch.Tensor) and keep.numel() == 0 or isinstance(keep, int) and keep == 0:
-        return
-    raise NotImplementedError(
-        f"{model_type} was given logits_to_keep={keep if isinstance(keep, int) else 'an index tensor'} with a "
-        f"cp_context (CP size {ctx.cp_size}): each rank would keep the last positions (or these indices) of its own shard, not of "
-        "the row. Run the forward with logits_to_keep=0 and pick the positions from the row's logits (e.g. "
-        "CPTrainer.predict gathers them in row order), or run these forwards without CP")
+def config_values(config: object, name: str) -> tuple[Any, ...]:
+    """Attribute ``name`` of a model config: ``(value,)`` (``None`` when absent), or one value per layer when the
+    config sets it per layer (transformers' heterogeneous configs, e.g. gemma4's ``head_dim``, refuse a global
+    read of such an attribute with ``AmbiguousGlobalPerLayerAttributeError``)."""
+    try:
+        return (getattr(config, name, None),)
+    except RuntimeError as err:
+        layers = getattr(config, "per_layer_config", None)
+        if type(err).__name__ != "AmbiguousGlobalPerLayerAttributeError" or layers is None:
+            raise
+        return tuple(getattr(layer, name, None) for layer in layers)
+
+
+def config_int(config: object, name: str) -> int:
+    """A model config's int attribute as one number for the forward agreement: the value (0 when unset), or for
+    one set per layer (heterogeneous configs) a position-weighted sum of the layers' values, so that ranks whose
+    layers differ disagree."""
+    values = config_values(config, name)
+    if len(values) == 1:
+        return int(values[0] or 0)
+    return sum((i + 1) * int(v or 0) for i, v in enumerate(values))
+
+
+def head_shape(config: object) -> HeadShape:
+    """The attention heads of a transformers model config (or a model: its ``.config``; multimodal
+    configs: their text config). MLA configs (``qk_nope_head_dim + qk_rope_head_dim``, ``v_head_dim``)
+    give ``D != Dv``. ``ValueError`` when the config does not name its heads."""
+    config = text_config(getattr(config, "config", config))
+
+    def one(name: str) -> Any:
+        values = set(config_values(config, name))
+        if len(values) > 1:
+            raise NotImplementedError(
+                f"{type(config).__name__} sets {name} per layer ({sorted(values, key=str)}): a head-parallel "
+                "layout plans one head shape for every layer; use ulysses_size=1 for this model")
+        return values.pop()
+
+    hq = one("num_attention_heads")
+    if not isinstance(hq, int):
+        raise ValueError(f"{type(config).__name__} has no int num_attention_heads; pass heads=HeadShape(...)")
+    hkv = one("num_key_value_heads") or hq
+    if one("qk_rope_head_dim") and one("v_head_dim"):
+        return HeadShape(hq, hkv, one("qk_nope_head_dim") + one("qk_rope_head_dim"), one("v_head_dim"))
+    head_dim = one("head_dim") or (one("hidden_size") or 0) // hq
+    return HeadShape(hq, hkv, head_dim)

@@ -28,6 +28,7 @@ import transformers
 from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
 from torch.utils.checkpoint import checkpoint
 from transformers.loss.loss_utils import ForCausalLMLoss
+
 from ..model.batch import check_cp_loss_count
 
 __all__ = ["DEFAULT_CHUNK_SIZE", "HEADS", "check_chunked_loss", "chunked_causal_lm_loss"]
