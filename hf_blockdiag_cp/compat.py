@@ -19,7 +19,7 @@ from torch.distributed.distributed_c10d import _resolve_process_group
 
 __all__ = ["CPU_FLASH_ATTENTION", "CPU_FLASH_ATTENTION_BACKWARD", "TRAINER_PRIVATE_METHODS", "accelerate_prepared",
            "backend_options", "backend_timeouts", "check_trainer_internals", "forget_accelerate_prepared",
-           "forward_hooks", "resolve_process_group"]
+           "forward_hooks", "resolve_process_group", "set_group_timeout"]
 
 # ---- torch ----------------------------------------------------------------------------------------------
 
@@ -44,6 +44,17 @@ def backend_timeouts(group: Any) -> list[datetime.timedelta] | None:
         return [group._get_backend(torch.device(device)).options._timeout for device in group._device_types]
     except (AttributeError, RuntimeError, ValueError):
         return None
+
+
+def set_group_timeout(group: Any, timeout: datetime.timedelta) -> None:
+    """Set the timeout of every backend of the live process group ``group`` (torch 2.13: the private
+    ``distributed_c10d._set_pg_timeout``; ``ImportError`` names it if it is renamed)."""
+    try:
+        from torch.distributed.distributed_c10d import _set_pg_timeout
+    except ImportError as err:
+        raise ImportError("torch.distributed.distributed_c10d._set_pg_timeout is gone in this torch: "
+                          "hf_blockdiag_cp cannot bound an existing process group's timeout") from err
+    _set_pg_timeout(timeout, group)
 
 
 def backend_options(backend: str, timeout: datetime.timedelta) -> Any:
