@@ -50,17 +50,17 @@ def _reference(map_style: bool) -> list[tuple[float, float]]:
     from tests.reference import tiny_model
 
     dataset = _packed()
-    assert len(list(dataset.rows())) % ROWS_PER_STEP == 1, "the pass must not divide into steps"
+    assert len(list(dataset)) % ROWS_PER_STEP == 1, "the pass must not divide into steps"
     steps: list[list] = []
     if map_style:
-        rows = list(dataset.rows())
+        rows = list(dataset)
         while len(steps) < STEPS:
             steps += [rows[i:i + ROWS_PER_STEP] for i in range(0, len(rows), ROWS_PER_STEP)]
     else:
         stream, epoch = [], 0
         while len(stream) < STEPS * ROWS_PER_STEP:
             dataset.set_epoch(epoch)
-            stream += list(dataset.rows())
+            stream += list(dataset)
             epoch += 1
         steps = [stream[i:i + ROWS_PER_STEP] for i in range(0, len(stream), ROWS_PER_STEP)]
     model = tiny_model("llama", attn_implementation="blockdiag_cp").train()
@@ -99,7 +99,7 @@ def _train(tmp: str, cp_size: int | None, accumulation: int, workers: int, map_s
     model = tiny_model("llama", attn_implementation="blockdiag_cp")
     dataset = _packed()
     if map_style:
-        dataset = list(dataset.rows())
+        dataset = list(dataset)
     collator = bd.PackingCollator(SEQ_LEN, pad_token_id=0, group=None if mesh is None else mesh["cp"])
     trainer = bd.CPTrainer(model=model, args=args, train_dataset=dataset, data_collator=collator, mesh=mesh,
                            optimizers=(torch.optim.SGD(model.parameters(), lr=LR), None))
