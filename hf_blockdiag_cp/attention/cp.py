@@ -66,7 +66,9 @@ def _check_group(ctx: BlockDiagCPContext) -> None:
         raise RuntimeError(f"cp_context names the process group {ctx.group.name!r}, which this process does not "
                            "have; build the collator in the training process that created the group")
     if ctx.group is None or not dist.is_initialized():
-        raise RuntimeError("cp_size > 1 needs an initialised torch.distributed process group in cp_context.group")
+        raise RuntimeError("cp_size > 1 needs an initialised torch.distributed process group in cp_context.group: "
+                           "build the collator with group=mesh['cp'] (a collator given only cp_rank/cp_size builds "
+                           "contexts without one; CPTrainer attaches the mesh's)")
 
 
 def _rank_exchange(ctx: BlockDiagCPContext, device: torch.device, window: int | None = None) -> RankExchange | None:

@@ -222,13 +222,13 @@ def _layout_inputs(config: BlockDiagCPConfig, cp_size: int, heads: HeadShape | N
     u = config.ulysses_size
     if u == 1 or cp_size == 1:
         return heads, ulysses_groups
+    if isinstance(u, int) and cp_size % u:  # first: no head count can fix it
+        raise ValueError(f"ulysses_size={u} does not divide cp_size={cp_size}")
     if heads is None and model_config is not None:
         heads = HeadShape.from_model_config(model_config)
     if heads is None:
         raise ValueError(f"ulysses_size={u!r} splits attention heads over CP ranks: give the collator the model's "
                          "heads (model_config=model.config, or heads=HeadShape(num_q_heads, num_kv_heads, head_dim))")
-    if isinstance(u, int) and cp_size % u:
-        raise ValueError(f"ulysses_size={u} does not divide cp_size={cp_size}")
     if ulysses_groups is None:
         raise ValueError(f"ulysses_size={u!r} needs the head-parallel subgroups: create them once at setup with "
                          "hf_blockdiag_cp.ulysses_groups(mesh, sizes=...) and pass ulysses_groups=")
