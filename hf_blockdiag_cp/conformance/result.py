@@ -62,7 +62,8 @@ class CheckResult:
             nums.append(f"logits {self.logits_err:.1e}")
         if self.grad_err is not None:
             nums.append(f"grads {self.grad_err:.1e}")
-        nums.append(f"generate {self.generate}")
+        # generate() runs one unpacked sequence: "equal" there says nothing about the packed verdict before it.
+        nums.append(f"unpacked generate() {self.generate}")
         head = f"{self.model}: {self.status}" + (f" ({self.reason})" if self.reason else "")
         return f"{head} | {', '.join(nums)} | cp_size={self.cp_size} | {self.seconds:.1f} s"
 
