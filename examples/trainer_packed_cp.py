@@ -27,6 +27,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import hf_blockdiag_cp as bd  # noqa: E402  (registers attn_implementation="blockdiag_cp")
 from common import (  # noqa: E402
+    check_common_args,
     apply_lora,
     chunked_loss_setting,
     cp_config,
@@ -150,6 +151,7 @@ def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
     quiet_other_ranks()
     with one_line_errors():  # set-up mistakes: one line on the main process
+        check_common_args(args)  # before any rank starts work
         refuse_accelerate_cp()  # before TrainingArguments starts accelerate
         output_dir = args.output_dir or tempfile.mkdtemp(prefix="trainer_packed_cp_")
         config = cp_config(args)
