@@ -69,7 +69,8 @@ class CPTrainer(Trainer):
     """``transformers.Trainer`` for block-diagonal context parallelism on a (dp, cp) mesh.
 
     Takes every ``Trainer`` argument plus ``mesh``: the :func:`~hf_blockdiag_cp.init_device_mesh` mesh, or
-    ``None`` (no CP: the stock Trainer data path, with the set-up checks below; on several processes every process
+    ``None`` (no CP, with the set-up checks below; training takes the same data path as with a mesh, each process a
+    DP group of one, so a CP run reproduces its one-process run step for step; on several processes every process
     collates its own batches, since accelerate cannot dispatch a ``cp_context``). Use it with a
     :class:`~hf_blockdiag_cp.PackingCollator` built with ``group=mesh["cp"]`` and a model loaded with
     ``attn_implementation="blockdiag_cp"``; feed :class:`~hf_blockdiag_cp.PackedDataset` rows with
