@@ -398,6 +398,17 @@ def _write_launcher_error(line: str) -> None:
         pass  # the line is on stderr already
 
 
+def exchange_label(ctx) -> str:
+    """What moved K/V in the step of context ``ctx``: the head all-to-all of a head-parallel layout (``u > 1``),
+    the exchange strategy between sequence groups, both, or ``none``."""
+    if ctx is None:
+        return "none"
+    parts = [f"head all-to-all (u={ctx.ulysses_size})"] if getattr(ctx, "ulysses_size", 1) > 1 else []
+    if ctx.exchange is not None:
+        parts.append(ctx.exchange.strategy)
+    return " + ".join(parts) or "none"
+
+
 def check_common_args(args: argparse.Namespace) -> None:
     """Mistakes in the shared options, found before any rank starts work (``SystemExit`` with one line; call it
     inside :func:`one_line_errors`). The CP size comes from the launcher's ``WORLD_SIZE``, as the run will."""

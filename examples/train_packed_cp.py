@@ -25,11 +25,12 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import hf_blockdiag_cp as bd  # noqa: E402  (registers attn_implementation="blockdiag_cp")
 from common import (  # noqa: E402
-    check_common_args,
     apply_lora,
+    check_common_args,
     chunked_loss_setting,
     cp_config,
     example_parser,
+    exchange_label,
     gather_floats,
     head_parallel_groups,
     load_documents,
@@ -237,7 +238,7 @@ def main(argv: list[str] | None = None) -> dict:
         "peak_memory_gib_per_rank": [p / 2**30 for p in peaks],
         "peak_memory_kind": "cuda max_memory_allocated" if torch.cuda.is_available() else "process max RSS",
         "kv_exchange_bytes_per_step_per_rank": kv,
-        "kv_exchange_strategy": ctx.exchange.strategy if ctx.exchange is not None else "none",
+        "kv_exchange_strategy": exchange_label(ctx),
         "ulysses_size": args.ulysses_size, "ulysses_size_last_step": ctx.ulysses_size,
         "parity": parity,
     }

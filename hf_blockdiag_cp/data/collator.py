@@ -172,7 +172,7 @@ class PackingCollator:
             choice = (layout.ulysses_size, layout.seq_groups)
             if choice not in self._layouts_logged:
                 self._layouts_logged.add(choice)
-                layout_logger.info("hf_blockdiag_cp layout: %s", layout.summary())
+                layout_logger.info("layout: %s", layout.summary())  # the logger's name says whose
         return batch
 
     def __call__(self, examples: Sequence[Any]) -> dict[str, Any]:

@@ -19,8 +19,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.device_mesh import init_device_mesh as torch_init_device_mesh
 
 from .._validate import check_int
-from ..config import ENV_VARS, BlockDiagCPConfig
 from ..compat import set_group_timeout
+from ..config import ENV_VARS, BlockDiagCPConfig
 from ..distributed.groups import group_options, group_timeout, record_cp_mesh
 from ..distributed.ulysses import UlyssesGroups, create_ulysses_groups
 
