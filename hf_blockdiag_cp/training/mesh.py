@@ -112,7 +112,8 @@ def check_group_timeouts(mesh: DeviceMesh | None, config: BlockDiagCPConfig | No
                 f"[InitProcessGroupKwargs(timeout=...)]); Trainer: TrainingArguments(ddp_timeout="
                 f"{int(bound.total_seconds())}), which transformers ignores with use_cpu=True; torch: "
                 f"init_process_group(timeout=...)), or build the mesh with hf_blockdiag_cp.init_device_mesh (it "
-                f"lowers the default group's timeout and gives its own groups the bound), or raise {ENV_VARS['collective_timeout_s']} to at "
+                f"lowers the default group's timeout and gives its own groups the bound), or raise "
+                f"{ENV_VARS['collective_timeout_s']} to at "
                 f"least {_seconds(timeout)}")
 
 
