@@ -130,7 +130,7 @@ def main(argv: list[str] | None = None) -> dict:
         # On CPU, accelerate spawns several processes only through its torchrun path (distributed_type
         # MULTI_GPU in the config); cpu=True then makes it a gloo MULTI_CPU run. The process group's
         # timeout follows HF_BLOCKDIAG_CP_COLLECTIVE_TIMEOUT_S: DDP's collectives would otherwise wait 30
-        # minutes for a stalled peer (init_device_mesh refuses a longer one).
+        # minutes for a stalled peer (init_device_mesh would lower a longer one).
         accelerator = Accelerator(cpu=not torch.cuda.is_available(), mixed_precision=args.mixed_precision,
                                   kwargs_handlers=[InitProcessGroupKwargs(timeout=config.process_group_timeout)])
         logging.basicConfig(level=logging.INFO if accelerator.is_main_process else logging.WARNING,
