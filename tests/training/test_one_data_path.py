@@ -128,6 +128,7 @@ def _dp2_cp2_worker(rank: int, world: int, tmp: str) -> dict:
             "dp2 x cp2 workers=2": _train(f"{tmp}/w", 2, ROWS_PER_STEP // 2, 2, False)}
 
 
+@pytest.mark.slow
 def test_one_process_iterable_and_map_style_match_the_plain_loop(tmp_path):
     stream, epochs = _reference(False), _reference(True)
     # The stock Trainer's data path merged the short last step of a pass with the next pass's first row; here
