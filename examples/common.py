@@ -404,7 +404,7 @@ def exchange_label(ctx) -> str:
     if ctx is None:
         return "none"
     parts = [f"head all-to-all (u={ctx.ulysses_size})"] if getattr(ctx, "ulysses_size", 1) > 1 else []
-    if ctx.exchange is not None:
+    if ctx.exchange is not None and ctx.exchange.strategy != "none":
         parts.append(ctx.exchange.strategy)
     return " + ".join(parts) or "none"
 

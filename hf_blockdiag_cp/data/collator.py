@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import warnings
 from collections.abc import Sequence
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from .._validate import check_int
 from ..config import PLACEMENTS, BlockDiagCPConfig
@@ -74,6 +76,13 @@ class PackingCollator:
                  ulysses_size: int | str | None = None, heads: HeadShape | None = None, model_config: Any = None,
                  ulysses_groups: Any = None) -> None:
         self.cp_rank, self.cp_size, self.group = resolve_cp(group, cp_rank, cp_size)
+        if self.group is None and self.cp_size > 1 and dist.is_initialized():
+            # Not the default group in its place: DDP's gradient all-reduce runs on it, and collectives of one
+            # group issued in a different order on different ranks (the CP backward's and DDP's) would mis-pair.
+            warnings.warn(f"PackingCollator(cp_size={self.cp_size}, cp_rank={self.cp_rank}) without group= while "
+                          "torch.distributed is initialised: its contexts carry no process group, so a forward "
+                          "outside CPTrainer (which attaches its mesh's) refuses them; pass group=mesh['cp']",
+                          UserWarning, stacklevel=2)
         self.seq_len = check_int("seq_len", seq_len, minimum=1)
         multiple = row_multiple(self.cp_size, pad_to_multiple_of)
         if seq_len % multiple:

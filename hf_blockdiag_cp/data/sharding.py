@@ -57,13 +57,6 @@ def resolve_cp(group: Any, cp_rank: int | None, cp_size: int | None) -> tuple[in
             raise ValueError(f"cp_rank is required with cp_size={cp_size} when no group is given")
         cp_rank = 0
     check_int("cp_rank", cp_rank, minimum=0, below=("cp_size", cp_size))
-    if process_group is None and cp_size > 1 and dist.is_initialized() and dist.get_world_size() == cp_size:
-        # The whole world is the CP group: the default group is the one the forward needs (without it the first
-        # forward would refuse the batch). Another world size needs the mesh's group: group=mesh["cp"].
-        if cp_rank != dist.get_rank():
-            raise ValueError(f"cp_rank={cp_rank} but this process is rank {dist.get_rank()} of the default process "
-                             f"group of size {cp_size}; pass group=mesh['cp'] instead of cp_rank/cp_size")
-        process_group = dist.group.WORLD
     return cp_rank, cp_size, process_group
 
 

@@ -43,17 +43,21 @@ def _two_rank_worker(rank: int, world: int, tmp: str) -> dict:
 
     out = {}
     examples = [{"input_ids": list(range(1, n))} for n in (9, 12, 5, 20, 7)]
-    # cp_rank/cp_size without group= after init_process_group: the world is the CP group, so it is taken.
-    collator = bd.PackingCollator(SEQ_LEN, cp_size=2, cp_rank=rank, pad_token_id=0)
-    out["group is world"] = collator.group is dist.group.WORLD
+    # cp_rank/cp_size without group= after init_process_group: a warning at construction naming group=, and the
+    # forward's refusal names it too (the default group is not taken: DDP's all-reduce runs on it).
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        collator = bd.PackingCollator(SEQ_LEN, cp_size=2, cp_rank=rank, pad_token_id=0)
+    out["construction"] = [str(w.message) for w in caught]
     model = tiny_model("llama", attn_implementation="blockdiag_cp")
-    with torch.no_grad():
-        out["forward"] = float(model(**collator(examples[:3])).loss)  # this rank's S_r / N
-        out["one process"] = float(model(**bd.PackingCollator(SEQ_LEN, pad_token_id=0)(examples[:3])).loss)
     try:
-        bd.PackingCollator(SEQ_LEN, cp_size=2, cp_rank=1 - rank, pad_token_id=0)
-    except ValueError as err:
-        out["wrong rank"] = str(err)
+        model(**collator(examples[:3]))
+    except RuntimeError as err:
+        out["forward"] = str(err)
+    with torch.no_grad():
+        grouped = bd.PackingCollator(SEQ_LEN, cp_size=2, cp_rank=rank, pad_token_id=0, group=dist.group.WORLD)
+        out["sharded"] = float(model(**grouped(examples[:3])).loss)  # this rank's S_r / N
+        out["one process"] = float(model(**bd.PackingCollator(SEQ_LEN, pad_token_id=0)(examples[:3])).loss)
 
     # reduce_loss_for_logging on a loss whose count was not normalised: one warning naming normalize_num_items.
     mesh = bd.init_device_mesh(2)
@@ -81,13 +85,13 @@ def _two_rank_worker(rank: int, world: int, tmp: str) -> dict:
 
 
 @pytest.mark.distributed
-def test_collator_takes_the_world_group_and_cp_evaluation_takes_one_row(tmp_path):
+def test_collator_without_group_names_it_and_cp_evaluation_takes_one_row(tmp_path):
     results = run_ranks(_two_rank_worker, 2, str(tmp_path), timeout=240, env=_rank_env(2))
     for rank, out in enumerate(results):
-        assert out["group is world"] and out["forward"] > 0, out
-        assert "pass group=mesh['cp']" in out["wrong rank"], out
+        assert any("without group=" in w and "group=mesh['cp']" in w for w in out["construction"]), out
+        assert "group=mesh['cp']" in out["forward"], out
         assert len(out["warnings"]) == 1, out["warnings"]
         assert out["eval batch size"] == 1 and out["eval_loss"] > 0, out
         assert "per_device_eval_batch_size=4" in out["explicit 4"], out
     # The shards' losses add up to the row's token mean: the contexts carried the group.
-    assert results[0]["forward"] + results[1]["forward"] == pytest.approx(results[0]["one process"], rel=1e-5)
+    assert results[0]["sharded"] + results[1]["sharded"] == pytest.approx(results[0]["one process"], rel=1e-5)
