@@ -68,9 +68,13 @@ def test_the_store_outlives_a_rank_that_leaves_first():
     assert run_ranks(_leave_first, 2, timeout=120) == ["left", "stayed"]
 
 
-PROBE = """import os
-print("probe", os.environ["RANK"], os.environ["MASTER_PORT"], os.environ["TORCHELASTIC_USE_AGENT_STORE"],
-      os.environ["TORCHELASTIC_RUN_ID"], os.getppid(), flush=True)
+# One write per line: the ranks share the launcher's stdout pipe, and print() writes its parts separately (seen
+# under load: "probeprobe 0 ..."); a single write of under PIPE_BUF bytes is not interleaved.
+PROBE = """import os, sys
+fields = ("probe", os.environ["RANK"], os.environ["MASTER_PORT"], os.environ["TORCHELASTIC_USE_AGENT_STORE"],
+          os.environ["TORCHELASTIC_RUN_ID"], str(os.getppid()))
+sys.stdout.write(" ".join(fields) + "\\n")
+sys.stdout.flush()
 """
 
 
