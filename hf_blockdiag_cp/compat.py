@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed.distributed_c10d import _resolve_process_group
+from torch.distributed.distributed_c10d import _resolve_process_group, _set_pg_timeout
 
 __all__ = ["CPU_FLASH_ATTENTION", "CPU_FLASH_ATTENTION_BACKWARD", "MASK_CLOSURES", "TRAINER_PRIVATE_METHODS",
            "accelerate_prepared", "backend_options", "backend_timeouts", "can_set_attn_implementation",
@@ -82,12 +82,7 @@ def backend_timeouts(group: Any) -> list[datetime.timedelta] | None:
 
 def set_group_timeout(group: Any, timeout: datetime.timedelta) -> None:
     """Set the timeout of every backend of the live process group ``group`` (torch 2.13: the private
-    ``distributed_c10d._set_pg_timeout``; ``ImportError`` names it if it is renamed)."""
-    try:
-        from torch.distributed.distributed_c10d import _set_pg_timeout
-    except ImportError as err:
-        raise ImportError("torch.distributed.distributed_c10d._set_pg_timeout is gone in this torch: "
-                          "hf_blockdiag_cp cannot bound an existing process group's timeout") from err
+    ``distributed_c10d._set_pg_timeout``)."""
     _set_pg_timeout(timeout, group)
 
 
