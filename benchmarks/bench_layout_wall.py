@@ -8,8 +8,9 @@ the bytes each rank moved per layer (forward + backward, counted).
 
     python benchmarks/bench_layout_wall.py [--seq-len 4096] [--iters 3] [--cp-sizes 2 4] [--out PNG]
 
-The plot (``--out``, needs matplotlib): per P, the wall time and the bytes sent per layout, one colour per
-``u`` actually run (``auto`` hatched, in the colour of the ``u`` it chose).
+The plot (``--out``, needs matplotlib): per P, the wall time (median, min-max whiskers over the timed
+iterations) and the bytes sent, one bar per layout that ran (coloured by ``u``); ``auto`` is named under the
+layout it chose, not drawn as a second bar of the same layout.
 """
 
 from __future__ import annotations
@@ -76,13 +77,14 @@ def _worker(rank: int, world: int, port: int, full_len: int, iters: int, results
             if it:  # the first iteration warms up
                 times.append(time.perf_counter() - t0)
             moved, chosen = comm_stats(ctx).sent_bytes, ctx.ulysses_size
-        out[u] = (chosen, statistics.median(times), moved)
+        out[u] = (chosen, statistics.median(times), moved, min(times), max(times))
     results.put((rank, out))
     dist.destroy_process_group()
 
 
 def measure(world: int, full_len: int, iters: int) -> dict:
-    """``{ulysses_size: (u chosen, wall ms, KiB sent)}`` of ``world`` gloo ranks (wall and bytes: max over ranks)."""
+    """``{ulysses_size: (u chosen, wall ms median, KiB sent, wall ms min, wall ms max)}`` of ``world`` gloo ranks
+    (over the timed iterations; each a max over ranks)."""
     import torch.multiprocessing as mp
 
     ctx = mp.get_context("spawn")
@@ -95,7 +97,21 @@ def measure(world: int, full_len: int, iters: int) -> dict:
     for p in procs:
         p.join()
     return {u: (per_rank[0][u][0], max(per_rank[r][u][1] for r in per_rank) * 1e3,
-                max(per_rank[r][u][2] for r in per_rank) / 1024) for u in _sizes(world)}
+                max(per_rank[r][u][2] for r in per_rank) / 1024, max(per_rank[r][u][3] for r in per_rank) * 1e3,
+                max(per_rank[r][u][4] for r in per_rank) * 1e3) for u in _sizes(world)}
+
+
+def bars_of(rows: dict, world: int) -> list[tuple[int, str, tuple]]:
+    """One bar per layout that ran: ``(u, tick label, (chosen, median, KiB, min, max))``. ``auto`` ran one of the
+    fixed layouts: it is named under that layout's bar (its own timing is the same layout measured again)."""
+    picked = {rows["auto"][0]} if "auto" in rows else set()
+    bars = []
+    for u, values in rows.items():
+        if u == "auto":
+            continue
+        label = f"u={u} x c={world // u}" + ("\n(auto's choice)" if u in picked else "")
+        bars.append((u, label, values))
+    return bars
 
 
 def layout_figure(results: dict, seq_len: int):
@@ -107,29 +123,33 @@ def layout_figure(results: dict, seq_len: int):
     worlds = sorted(results)
     fig, axes = plt.subplots(2, len(worlds), figsize=(4.6 * len(worlds), 6.8), squeeze=False)
     for col, world in enumerate(worlds):
-        rows = results[world]
-        labels = [f"{u}\n({rows[u][0]} x {world // rows[u][0]})" for u in rows]
-        colors = [U_COLORS[rows[u][0]] for u in rows]
-        hatches = ["//" if u == "auto" else "" for u in rows]
-        for row, (value, ylabel) in enumerate(((1, "wall ms, one layer fwd+bwd"), (2, "KiB sent per rank per layer"))):
+        bars = bars_of(results[world], world)
+        labels = [label for _, label, _ in bars]
+        colors = [U_COLORS[u] for u, _, _ in bars]
+        for row, ylabel in enumerate(("wall ms, one layer fwd+bwd", "KiB sent per rank per layer")):
             ax = axes[row][col]
-            bars = ax.bar(labels, [rows[u][value] for u in rows], color=colors, hatch=hatches, edgecolor="black",
-                          linewidth=0.6)
-            ax.bar_label(bars, fmt="%.0f", fontsize=9)
+            if row == 0:  # median, whiskers from the fastest to the slowest timed iteration
+                heights = [v[1] for _, _, v in bars]
+                spread = [[v[1] - v[3] for _, _, v in bars], [v[4] - v[1] for _, _, v in bars]]
+                drawn = ax.bar(labels, heights, color=colors, edgecolor="black", linewidth=0.6, yerr=spread,
+                               capsize=4)
+            else:
+                drawn = ax.bar(labels, [v[2] for _, _, v in bars], color=colors, edgecolor="black", linewidth=0.6)
+            ax.bar_label(drawn, fmt="%.0f", fontsize=9)
             ax.set_ylabel(ylabel, fontsize=10)
             ax.grid(axis="y", alpha=0.3)
             ax.margins(y=0.15)
             if row == 0:
                 ax.set_title(f"P = {world} CP ranks", fontsize=11)
             else:
-                ax.set_xlabel("ulysses_size requested (u x c that ran)", fontsize=10)
-    used = sorted({rows[u][0] for rows in results.values() for u in rows})
+                ax.set_xlabel("layout (u ranks per head group x c sequence groups)", fontsize=10)
+    used = sorted({u for world in worlds for u, _, _ in bars_of(results[world], world)})
     handles = [Patch(facecolor=U_COLORS[u], edgecolor="black", label=f"u = {u}") for u in used]
-    handles.append(Patch(facecolor="white", edgecolor="black", hatch="//", label="auto (its choice's colour)"))
     fig.suptitle(f"one attention layer on gloo, S = {seq_len}, Hq={HEADS} Hkv={KV_HEADS} D={DIM}, bf16",
                  fontsize=11, y=0.99)
     fig.legend(handles=handles, loc="upper center", bbox_to_anchor=(0.5, 0.955), ncol=len(handles), fontsize=10,
-               frameon=False, title="colour: ranks per head-parallel group u that ran", title_fontsize=10)
+               frameon=False, title="colour: ranks per head-parallel group u; whiskers: min-max over the timed "
+               "iterations", title_fontsize=10)
     fig.tight_layout(rect=(0, 0, 1, 0.9))
     return fig
 
@@ -150,20 +170,24 @@ def plot(results: dict, seq_len: int, path: str) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--seq-len", type=int, default=4096, help="row length S (divisible by every P)")
-    parser.add_argument("--iters", type=int, default=3, help="timed fwd+bwd iterations per layout (median)")
+    parser.add_argument("--iters", type=int, default=5, help="timed fwd+bwd iterations per layout (median, with "
+                                                              "min-max whiskers; at least 3)")
     parser.add_argument("--cp-sizes", type=int, nargs="+", default=[2, 4], help="CP group sizes P (one gloo run each)")
     parser.add_argument("--out", default="bench_layout_wall.png",
                         help="PNG of the table (needs matplotlib: pip install -e '.[bench]')")
     args = parser.parse_args()
+    if args.iters < 3:
+        parser.error(f"--iters {args.iters}: give at least 3 (the plot shows the spread)")
     print(f"## One layer fwd+bwd on gloo per layout (S={args.seq_len}, Hq={HEADS}, Hkv={KV_HEADS}, D={DIM}, bf16, "
           f"sdpa_doc, 1 thread per rank, median of {args.iters}, max over ranks)\n")
-    print("| P | ulysses_size | u x c | wall ms (fwd+bwd) | KiB sent per rank (max) |")
-    print("|---|---|---|---:|---:|")
+    print("| P | ulysses_size | u x c | wall ms (fwd+bwd, median) | min-max ms | KiB sent per rank (max) |")
+    print("|---|---|---|---:|---:|---:|")
     results = {}
     for world in args.cp_sizes:
         results[world] = measure(world, args.seq_len, args.iters)
-        for u, (chosen, wall, sent) in results[world].items():
-            print(f"| {world} | {u} | {chosen} x {world // chosen} | {wall:.1f} | {sent:.0f} |")
+        for u, (chosen, wall, sent, fastest, slowest) in results[world].items():
+            print(f"| {world} | {u} | {chosen} x {world // chosen} | {wall:.1f} | {fastest:.1f}-{slowest:.1f} | "
+                  f"{sent:.0f} |")
     plot(results, args.seq_len, args.out)
 
 

@@ -379,9 +379,48 @@ OTHER_RANKS_EXIT_AFTER_S = 10.0
 def _exit_with(message: str) -> None:
     if launched_rank() == 0:
         print(f"error: {message}", file=sys.stderr, flush=True)
+        _write_launcher_error(f"error: {message}")
     else:
         time.sleep(OTHER_RANKS_EXIT_AFTER_S)
     raise SystemExit(2)
+
+
+def _write_launcher_error(line: str) -> None:
+    """Give torchrun (and ``accelerate launch``) the one line as this rank's error: its failure report, printed
+    after the ranks exit, then ends with ``traceback : <line>`` instead of "To enable traceback see ..."."""
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if not path:
+        return
+    try:
+        with open(path, "w", encoding="utf-8") as fh:
+            json.dump({"message": line, "timestamp": int(time.time())}, fh)
+    except OSError:
+        pass  # the line is on stderr already
+
+
+def exchange_label(ctx) -> str:
+    """What moved K/V in the step of context ``ctx``: the head all-to-all of a head-parallel layout (``u > 1``),
+    the exchange strategy between sequence groups, both, or ``none``."""
+    if ctx is None:
+        return "none"
+    parts = [f"head all-to-all (u={ctx.ulysses_size})"] if getattr(ctx, "ulysses_size", 1) > 1 else []
+    if ctx.exchange is not None and ctx.exchange.strategy != "none":
+        parts.append(ctx.exchange.strategy)
+    return " + ".join(parts) or "none"
+
+
+def check_common_args(args: argparse.Namespace) -> None:
+    """Mistakes in the shared options, found before any rank starts work (``SystemExit`` with one line; call it
+    inside :func:`one_line_errors`). The CP size comes from the launcher's ``WORLD_SIZE``, as the run will."""
+    if args.max_docs is not None and args.max_docs < 1:
+        raise SystemExit(f"--max-docs {args.max_docs}: give at least 1 document (or leave it out to use them all)")
+    if args.seq_len < 1:
+        raise SystemExit(f"--seq-len {args.seq_len}: give a positive number of tokens per row")
+    cp_size = resolve_cp_size(args.cp_size, int(os.environ.get("WORLD_SIZE", "1")))
+    if args.seq_len % cp_size:
+        fit = args.seq_len + cp_size - args.seq_len % cp_size
+        raise SystemExit(f"--seq-len {args.seq_len} is not divisible by the CP size {cp_size} (each rank holds "
+                         f"seq_len / cp_size tokens): use a multiple of {cp_size}, e.g. --seq-len {fit}")
 
 
 def refuse_accelerate_cp() -> None:

@@ -29,9 +29,11 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import (  # noqa: E402
     apply_lora,
     byte_chat_tokenizer,
+    check_common_args,
     chunked_loss_setting,
     cp_config,
     example_parser,
+    exchange_label,
     full_row,
     launch_mesh,
     one_line_errors,
@@ -164,6 +166,7 @@ def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
     quiet_other_ranks()
     with one_line_errors():  # set-up mistakes: one line on the main process
+        check_common_args(args)  # before any rank starts work
         refuse_accelerate_cp()  # before SFTConfig starts accelerate
         import datasets
         from trl import SFTConfig
@@ -207,7 +210,6 @@ def main(argv: list[str] | None = None) -> dict:
         if main_process:
             parity = check_parity(reference.to(device), shards, trainer, losses[0], probe.first_grads, eval_loss,
                                   coords.dp_size, args.max_grad_norm, device)
-    exchange = trainer.last_context.exchange
     summary = {
         "world": world, "lora": args.lora, "format": args.format, "dp_size": coords.dp_size,
         "cp_size": coords.cp_size, "seq_len": args.seq_len, "steps": len(losses), "first_loss": losses[0],
@@ -215,7 +217,7 @@ def main(argv: list[str] | None = None) -> dict:
         "peak_memory_gib_per_rank": [p / 2**30 for p in peaks],
         "peak_memory_kind": "cuda max_memory_allocated" if torch.cuda.is_available() else "process max RSS",
         "kv_exchange_bytes_per_step_per_rank": kvs,
-        "kv_exchange_strategy": exchange.strategy if exchange is not None else "none",
+        "kv_exchange_strategy": exchange_label(trainer.last_context),
         "ulysses_size": args.ulysses_size, "ulysses_size_last_step": trainer.last_context.ulysses_size,
         "train_rows": len(trainer.train_dataset), "parity": parity,
     }

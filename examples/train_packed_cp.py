@@ -25,9 +25,11 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from common import (  # noqa: E402
     apply_lora,
+    check_common_args,
     chunked_loss_setting,
     cp_config,
     example_parser,
+    exchange_label,
     gather_floats,
     head_parallel_groups,
     load_documents,
@@ -118,6 +120,7 @@ def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
     quiet_other_ranks()
     with one_line_errors():  # set-up mistakes: one line on the main process
+        check_common_args(args)  # before any rank starts work
         if args.fsdp2 and args.lora:
             raise SystemExit("--fsdp2 with --lora is not covered by tests: use one of them")
         refuse_accelerate_cp()
@@ -128,7 +131,7 @@ def main(argv: list[str] | None = None) -> dict:
         # On CPU, accelerate spawns several processes only through its torchrun path (distributed_type
         # MULTI_GPU in the config); cpu=True then makes it a gloo MULTI_CPU run. The process group's
         # timeout follows HF_BLOCKDIAG_CP_COLLECTIVE_TIMEOUT_S: DDP's collectives would otherwise wait 30
-        # minutes for a stalled peer (init_device_mesh refuses a longer one).
+        # minutes for a stalled peer (init_device_mesh would lower a longer one).
         accelerator = Accelerator(cpu=not torch.cuda.is_available(), mixed_precision=args.mixed_precision,
                                   kwargs_handlers=[InitProcessGroupKwargs(timeout=config.process_group_timeout)])
         logging.basicConfig(level=logging.INFO if accelerator.is_main_process else logging.WARNING,
@@ -236,7 +239,7 @@ def main(argv: list[str] | None = None) -> dict:
         "peak_memory_gib_per_rank": [p / 2**30 for p in peaks],
         "peak_memory_kind": "cuda max_memory_allocated" if torch.cuda.is_available() else "process max RSS",
         "kv_exchange_bytes_per_step_per_rank": kv,
-        "kv_exchange_strategy": ctx.exchange.strategy if ctx.exchange is not None else "none",
+        "kv_exchange_strategy": exchange_label(ctx),
         "ulysses_size": args.ulysses_size, "ulysses_size_last_step": ctx.ulysses_size,
         "parity": parity,
     }

@@ -27,9 +27,11 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from common import (  # noqa: E402
     apply_lora,
+    check_common_args,
     chunked_loss_setting,
     cp_config,
     example_parser,
+    exchange_label,
     full_row,
     gather_floats,
     head_parallel_groups,
@@ -151,6 +153,7 @@ def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
     quiet_other_ranks()
     with one_line_errors():  # set-up mistakes: one line on the main process
+        check_common_args(args)  # before any rank starts work
         refuse_accelerate_cp()  # before TrainingArguments starts accelerate
         output_dir = args.output_dir or tempfile.mkdtemp(prefix="trainer_packed_cp_")
         config = cp_config(args)
@@ -198,7 +201,6 @@ def main(argv: list[str] | None = None) -> dict:
                       "max_grad_diff": grad_diff, "grads_compared": sorted(ref_grads),
                       "min_max_abs_grad": min(g.abs().max().item() for g in ref_grads.values()),
                       "grads": "after clipping to max_grad_norm" if args.max_grad_norm > 0 else "unclipped"}
-    exchange = trainer.last_context.exchange
     summary = {
         "world": world, "lora": args.lora, "dp_size": coords.dp_size, "cp_size": coords.cp_size,
         "seq_len": args.seq_len,
@@ -206,7 +208,7 @@ def main(argv: list[str] | None = None) -> dict:
         "tokens_per_s": tokens_per_s, "peak_memory_gib_per_rank": [p / 2**30 for p in peaks],
         "peak_memory_kind": "cuda max_memory_allocated" if torch.cuda.is_available() else "process max RSS",
         "kv_exchange_bytes_per_step_per_rank": kvs,
-        "kv_exchange_strategy": exchange.strategy if exchange is not None else "none",
+        "kv_exchange_strategy": exchange_label(trainer.last_context),
         "ulysses_size": args.ulysses_size, "ulysses_size_last_step": trainer.last_context.ulysses_size,
         "parity": parity,
     }

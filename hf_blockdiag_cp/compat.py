@@ -15,12 +15,12 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed.distributed_c10d import _resolve_process_group
+from torch.distributed.distributed_c10d import _resolve_process_group, _set_pg_timeout
 
 __all__ = ["CPU_FLASH_ATTENTION", "CPU_FLASH_ATTENTION_BACKWARD", "MASK_CLOSURES", "TRAINER_PRIVATE_METHODS",
            "accelerate_prepared", "backend_options", "backend_timeouts", "can_set_attn_implementation",
            "check_trainer_internals", "forget_accelerate_prepared", "forward_hooks", "model_from_config",
-           "resolve_process_group"]
+           "resolve_process_group", "set_group_timeout"]
 
 # ---- transformers -----------------------------------------------------------------------------------------
 
@@ -78,6 +78,12 @@ def backend_timeouts(group: Any) -> list[datetime.timedelta] | None:
         return [group._get_backend(torch.device(device)).options._timeout for device in group._device_types]
     except (AttributeError, RuntimeError, ValueError):
         return None
+
+
+def set_group_timeout(group: Any, timeout: datetime.timedelta) -> None:
+    """Set the timeout of every backend of the live process group ``group`` (torch 2.13: the private
+    ``distributed_c10d._set_pg_timeout``)."""
+    _set_pg_timeout(timeout, group)
 
 
 def backend_options(backend: str, timeout: datetime.timedelta) -> Any:

@@ -26,6 +26,11 @@ import torch.multiprocessing as mp
 ROOT = Path(__file__).resolve().parents[1]
 CPU_CP2 = ROOT / "configs" / "accelerate" / "cpu_cp2.yaml"
 LOCALHOST = "127.0.0.1"
+#: How often :func:`run_ranks` starts a rank set whose group creation failed.
+STARTUP_ATTEMPTS = 3
+STARTUP_FAILED = "startup-failed"
+#: What a failed group creation prints (an example run by :func:`run_example` creates its group itself).
+STARTUP_CAUSES = ("connectFullMesh failed",)
 
 
 @contextmanager
@@ -67,7 +72,8 @@ def _entry(rank: int, world_size: int, port: int, fn: Callable, args: tuple, res
     # The fork server's environment is the test process's when it started: take the one of now, as a spawn would.
     os.environ.clear()
     os.environ.update(parent_env)
-    os.environ.update({k: v for k, v in env.get(rank, {}).items()})
+    rank_env = env.get(rank, {})
+    os.environ.update({k: v for k, v in rank_env.items() if not k.startswith("_")})
     os.environ["OMP_NUM_THREADS"] = "1"
     import torch
     import torch.distributed as dist
@@ -75,8 +81,21 @@ def _entry(rank: int, world_size: int, port: int, fn: Callable, args: tuple, res
     torch.set_num_threads(1)
     try:
         timeout = datetime.timedelta(seconds=pg_timeout_s)
-        store = dist.TCPStore(LOCALHOST, port, is_master=False, timeout=timeout)  # the parent serves it
-        dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size, timeout=timeout)
+        if rank_env.get("_INIT_GROUP", "1") == "1":
+            try:
+                if rank_env.get("_FAIL_STARTUP_ON_ATTEMPT") == rank_env.get("_ATTEMPT"):  # the launcher's own test
+                    raise RuntimeError("Gloo connectFullMesh failed (injected by the test of the retry)")
+                # The parent serves the store; each attempt of the rank set has its own prefix on it.
+                store = dist.PrefixStore(rank_env.get("_ATTEMPT", "0"),
+                                         dist.TCPStore(LOCALHOST, port, is_master=False, timeout=timeout))
+                dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size, timeout=timeout)
+            except Exception as err:  # a start-up failure (e.g. gloo's connectFullMesh on a busy machine): retried
+                results.put((rank, STARTUP_FAILED, f"{type(err).__name__}: {err}"))
+                raise SystemExit(1) from None
+        else:  # the function creates the group itself (env://, as under a launcher): the parent's store
+            os.environ.update(client_env(port))
+            os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(rank),
+                               "LOCAL_WORLD_SIZE": str(world_size)})
         result = fn(rank, world_size, *args)
         results.put((rank, "ok", result))
     except BaseException as err:  # report everything, including assertion errors, to the parent
@@ -92,7 +111,7 @@ def _entry(rank: int, world_size: int, port: int, fn: Callable, args: tuple, res
 
 def run_ranks(fn: Callable, world_size: int, *args: Any, timeout: float = 180.0,
               env: dict[int, dict[str, str]] | None = None, pg_timeout_s: float = 60.0,
-              expect_failure: bool = False) -> list[Any]:
+              expect_failure: bool = False, init_group: bool = True) -> list[Any]:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` spawned gloo processes.
 
     The default process group's store is served by this process (:func:`hosted_stores`) until every rank
@@ -100,9 +119,29 @@ def run_ranks(fn: Callable, world_size: int, *args: Any, timeout: float = 180.0,
     ``AssertionError`` with every failing rank's traceback, or ``TimeoutError`` if the ranks do not finish
     in ``timeout`` seconds (all processes are killed). With ``expect_failure`` returns
     ``[(status, payload) per rank]`` instead of raising on errors.
+
+    Start-up is retried: when a rank fails to create the group (on a busy machine gloo's ``connectFullMesh``
+    can fail with "Connection closed by peer"), every rank of the set is stopped at once (none waits out its
+    timeout) and the whole set starts again on a fresh store, up to ``STARTUP_ATTEMPTS`` times, the cause
+    printed to stderr. ``init_group=False``: ``fn`` creates the default group itself from the launcher's
+    environment (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``/``MASTER_PORT`` of this process's store), as a script
+    run by ``torchrun`` does; it is not retried.
     """
-    with hosted_stores(1) as (port,):
-        outcome = _spawn_and_collect(fn, world_size, args, port, timeout, env or {}, pg_timeout_s)
+    env = dict(env or {})
+    for attempt in range(STARTUP_ATTEMPTS):
+        attempt_env = {r: {**env.get(r, {}), "_ATTEMPT": str(attempt), "_INIT_GROUP": "1" if init_group else "0"}
+                       for r in range(world_size)}
+        with hosted_stores(1) as (port,):
+            outcome = _spawn_and_collect(fn, world_size, args, port, timeout, attempt_env, pg_timeout_s,
+                                         stop_on=STARTUP_FAILED)
+        failed = {r: payload for r, (status, payload) in outcome.items() if status == STARTUP_FAILED}
+        if not failed:
+            break
+        print(f"tests.launch: attempt {attempt + 1}/{STARTUP_ATTEMPTS} of {getattr(fn, '__name__', fn)} on "
+              f"{world_size} ranks failed to start: {failed}; retrying on a fresh store", file=sys.stderr)
+    else:
+        raise AssertionError(f"{world_size} ranks failed to create their process group {STARTUP_ATTEMPTS} times: "
+                             f"{failed}")
     if expect_failure:
         return [outcome[r] for r in range(world_size)]
     errors = {r: payload for r, (status, payload) in outcome.items() if status != "ok"}
@@ -112,11 +151,12 @@ def run_ranks(fn: Callable, world_size: int, *args: Any, timeout: float = 180.0,
 
 
 def _spawn_and_collect(fn: Callable, world_size: int, args: tuple, port: int, timeout: float, env: dict,
-                       pg_timeout_s: float, entry: Callable = _entry, stop_on_failure: bool = False
-                       ) -> dict[int, tuple[str, Any]]:
+                       pg_timeout_s: float, entry: Callable = _entry, stop_on_failure: bool = False,
+                       stop_on: str | None = None) -> dict[int, tuple[str, Any]]:
     """Start the ranks (``entry`` in each), gather ``{rank: (status, payload)}``, and return only once every
     rank has exited. ``stop_on_failure``: as torchrun does, the first rank to fail (an error, or a non-zero
-    exit status as its payload) has the others terminated (SIGTERM)."""
+    exit status as its payload) has the others terminated (SIGTERM). ``stop_on``: a status that has the others
+    terminated (their status is then ``stop_on`` too)."""
     ctx = _rank_context()
     results = ctx.Queue()
     parent_env = dict(os.environ)
@@ -135,6 +175,12 @@ def _spawn_and_collect(fn: Callable, world_size: int, args: tuple, port: int, ti
             try:
                 rank, status, payload = results.get(timeout=min(remaining, 1.0))
                 outcome[rank] = (status, payload)
+                if stop_on is not None and status == stop_on:
+                    for other, p in enumerate(procs):
+                        if other not in outcome:
+                            p.kill()
+                            outcome[other] = (stop_on, "stopped: a peer failed to start")
+                    break
                 if stop_on_failure and (status != "ok" or payload):
                     for other, p in enumerate(procs):
                         if other not in outcome and p.is_alive():
@@ -248,10 +294,18 @@ def run_example(script: str, *args: str, world_size: int = 2, timeout: float = 3
     exit status of a rank (0 when all succeed)."""
     import tempfile
 
-    with tempfile.TemporaryDirectory() as log_dir, hosted_stores(1) as (port,):
-        outcome = _spawn_and_collect(script, world_size, args, port, timeout, {**(env or {}), "_LOG_DIR": log_dir},
-                                     60.0, entry=_example_entry, stop_on_failure=True)
-        output = "".join(Path(log_dir, f"rank{r}.log").read_text(errors="replace") if Path(log_dir, f"rank{r}.log")
-                         .exists() else "" for r in range(world_size))
-    codes = [payload if status == "ok" else 1 for status, payload in (outcome[r] for r in range(world_size))]
-    return Launched(next((c for c in codes if c), 0), output)
+    for attempt in range(STARTUP_ATTEMPTS):
+        with tempfile.TemporaryDirectory() as log_dir, hosted_stores(1) as (port,):
+            outcome = _spawn_and_collect(script, world_size, args, port, timeout,
+                                         {**(env or {}), "_LOG_DIR": log_dir}, 60.0, entry=_example_entry,
+                                         stop_on_failure=True)
+            output = "".join(Path(log_dir, f"rank{r}.log").read_text(errors="replace")
+                             if Path(log_dir, f"rank{r}.log").exists() else "" for r in range(world_size))
+        codes = [payload if status == "ok" else 1 for status, payload in (outcome[r] for r in range(world_size))]
+        code = next((c for c in codes if c), 0)
+        # The example creates its group itself (env://): a start-up failure shows as gloo's message in its output.
+        if not code or not any(cause in output for cause in STARTUP_CAUSES):
+            break
+        print(f"tests.launch: attempt {attempt + 1}/{STARTUP_ATTEMPTS} of {script} failed to start its process group; "
+              "retrying on a fresh store", file=sys.stderr)
+    return Launched(code, output)

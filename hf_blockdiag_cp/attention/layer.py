@@ -70,7 +70,8 @@ def require_live_group(ctx: BlockDiagCPContext, group: object, name: str) -> Non
                                "have; build the collator in the training process that created the group")
         if group is None or not dist.is_initialized():
             raise RuntimeError("cp_size > 1 needs an initialised torch.distributed process group in "
-                               "cp_context.group")
+                               "cp_context.group: build the collator with group=mesh['cp'] (a collator given only "
+                               "cp_rank/cp_size builds contexts without one; CPTrainer attaches the mesh's)")
         return
     if group is None or isinstance(group, GroupRef) or not dist.is_initialized():
         raise RuntimeError(f"cp_context (ulysses_size={ctx.ulysses_size}) has no live {name} process group here "

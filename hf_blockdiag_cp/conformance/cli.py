@@ -27,10 +27,14 @@ from .result import EXACT, FAIL, NOT_APPLICABLE, REFUSED, CheckResult
 from .runs import LENGTHS
 from .sweep import cp2_sample, read_jsonl, read_jsonl_ulysses, sweep
 
-__all__ = ["main", "usage_error"]
+__all__ = ["EXIT_CODES", "main", "usage_error"]
 
 DESCRIPTION = ("Conformance check: does attn_implementation='blockdiag_cp' compute exactly what an architecture "
                "asks for? Packed documents against each document alone under stock attention.")
+#: Exit status per verdict of a checked model (the command exits with the largest; 2 is a usage error).
+EXIT_CODES = {EXACT: 0, FAIL: 1, REFUSED: 3, NOT_APPLICABLE: 4}
+EXIT_CODES_HELP = ("exit status: 0 every model exact, 1 a FAIL, 2 a usage error, 3 refused (the package refuses "
+                   "what the architecture asks for), 4 not applicable; the largest over the models checked")
 #: Launchers that start several copies of a program (each would run the whole check and spawn its own ranks).
 _LAUNCHER_VARIABLES = ("WORLD_SIZE", "LOCAL_WORLD_SIZE")
 
@@ -58,7 +62,7 @@ def usage_error(models: Sequence[str], cp_size: int, environ: dict[str, str] | N
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="hf-blockdiag-cp-check", description=DESCRIPTION)
+    parser = argparse.ArgumentParser(prog="hf-blockdiag-cp-check", description=DESCRIPTION, epilog=EXIT_CODES_HELP)
     parser.add_argument("model", nargs="*", help="model_type(s) of transformers' causal-LM mapping, or local "
                                                  "config.json / model folders")
     parser.add_argument("--cp-size", type=int, default=1, help="also run the collator path on N gloo ranks "
@@ -134,7 +138,8 @@ def _run_all(args: argparse.Namespace) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """The command line (see ``--help``); returns the exit status (1 if a check FAILs)."""
+    """The command line (see ``--help``); returns the exit status: the largest of :data:`EXIT_CODES` over the models
+    checked (0 every one exact, 1 a FAIL, 2 a usage error, 3 refused, 4 not applicable)."""
     parser = _parser()
     args = parser.parse_args(argv)
     if args.from_jsonl:
@@ -167,5 +172,5 @@ def main(argv: Sequence[str] | None = None) -> int:
             if args.verbose or result.status == FAIL:
                 for name, value in result.variants.items():
                     print(f"  {name}: {value}")
-        status = status or int(result.status == FAIL)
+        status = max(status, EXIT_CODES[result.status])
     return status

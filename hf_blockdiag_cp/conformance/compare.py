@@ -97,10 +97,13 @@ def _check(model_name: str, result: CheckResult, *, cp_size: int, seed: int, gen
         except Exception as err:
             if outcome.is_refusal(err):
                 result.variants[variant] = f"refused: {describe_error(err)}"
-                refusals.append(describe_error(err))
+                # Under --cp-size N the CP run's reason is the one asked about: it comes first.
+                where = 0 if variant == "collator" and cp_size > 1 else len(refusals)
+                refusals.insert(where, describe_error(err))
             else:
                 result.variants[variant] = f"FAIL: {describe_error(err)}"
-                failures.append(f"{variant}: {describe_error(err)}")
+                where = 0 if variant == "collator" and cp_size > 1 else len(failures)
+                failures.insert(where, f"{variant}: {describe_error(err)}")
                 result.variants[f"{variant}_traceback"] = traceback.format_exc()[-2000:]
             continue
         if logits.shape != ref_logits.shape:

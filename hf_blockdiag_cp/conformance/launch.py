@@ -11,6 +11,7 @@ import contextlib
 import datetime
 import os
 import queue as queue_module
+import sys
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -29,12 +30,41 @@ CP_TIMEOUT_S = 600.0
 _HOST = "127.0.0.1"
 
 
+#: Starts of the rank set when a rank fails to create the process group (gloo's ``connectFullMesh`` can fail
+#: with "Connection closed by peer" on a machine busy with other gloo jobs).
+STARTUP_ATTEMPTS = 3
+
+
 def run_cp(config: Any, docs: Sequence[torch.Tensor], cp_size: int, seed: int, pad: int, *, ulysses_size: int = 1
            ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """The collator path on ``cp_size`` gloo ranks: ``(logits of the real tokens [T, V], gradients)``
     (logits all-gathered, gradients all-reduced over the ranks). A refusal on any rank is re-raised
     as ``NotImplementedError``, any other error as ``RuntimeError`` (both with the rank's message).
-    ``ulysses_size > 1``: the head-parallel layout over that many of the ranks (subgroups made in the ranks)."""
+
+    ``ulysses_size > 1``: the head-parallel layout over that many of the ranks (subgroups made in the ranks).
+
+    A rank that fails to create the process group has the others stopped at once (none waits out
+    :data:`CP_TIMEOUT_S`), and the whole set starts again on a fresh store, up to :data:`STARTUP_ATTEMPTS` times."""
+    for attempt in range(STARTUP_ATTEMPTS):
+        outcome = _run_once(config, docs, cp_size, seed, pad, ulysses_size)
+        startup = [payload[2] for payload in outcome.values() if isinstance(payload, tuple) and payload[0] == "startup"]
+        if not startup:
+            break
+        print(f"hf_blockdiag_cp.conformance: CP ranks failed to start (attempt {attempt + 1}/{STARTUP_ATTEMPTS}): "
+              f"{startup[0]}", file=sys.stderr)
+    else:
+        raise RuntimeError(f"CP ranks failed to create their process group {STARTUP_ATTEMPTS} times: {startup[0]}")
+    errors = [payload for payload in outcome.values() if isinstance(payload, tuple) and payload[0] == "error"]
+    if errors:
+        kind, message = errors[0][1], errors[0][2]
+        raise (NotImplementedError if kind == "refused" else RuntimeError)(message)
+    grads = {name: torch.from_numpy(g) for name, g in outcome[0]["grads"].items()}
+    return torch.from_numpy(outcome[0]["logits"]), grads
+
+
+def _run_once(config: Any, docs: Sequence[torch.Tensor], cp_size: int, seed: int, pad: int, ulysses_size: int
+              ) -> dict[int, Any]:
+    """One start of the rank set: ``{rank: payload}`` (a start-up failure stops the others at once)."""
     store = dist.TCPStore(_HOST, 0, world_size=cp_size + 1, is_master=True, wait_for_workers=False,
                           timeout=datetime.timedelta(seconds=CP_TIMEOUT_S))
     ctx = _rank_context()
@@ -54,6 +84,11 @@ def run_cp(config: Any, docs: Sequence[torch.Tensor], cp_size: int, seed: int, p
             try:
                 rank, payload = queue.get(timeout=min(remaining, 1.0))
                 outcome[rank] = payload
+                if isinstance(payload, tuple) and payload[0] == "startup":
+                    for other, p in enumerate(procs):
+                        if other not in outcome:
+                            p.kill()
+                            outcome[other] = ("startup", "error", "stopped: a peer failed to start")
             except queue_module.Empty:
                 if all(not p.is_alive() for p in procs) and len(outcome) < cp_size:
                     raise RuntimeError(f"CP ranks exited without a result (codes {[p.exitcode for p in procs]})")
@@ -63,12 +98,7 @@ def run_cp(config: Any, docs: Sequence[torch.Tensor], cp_size: int, seed: int, p
             if p.is_alive():
                 p.kill()
         del store  # only now: every rank has finished with the rendezvous
-    errors = [payload for payload in outcome.values() if isinstance(payload, tuple) and payload[0] == "error"]
-    if errors:
-        kind, message = errors[0][1], errors[0][2]
-        raise (NotImplementedError if kind == "refused" else RuntimeError)(message)
-    grads = {name: torch.from_numpy(g) for name, g in outcome[0]["grads"].items()}
-    return torch.from_numpy(outcome[0]["logits"]), grads
+    return outcome
 
 
 def _rank_context() -> Any:
@@ -89,6 +119,10 @@ def _cp_rank(rank: int, world: int, port: int, config: Any, docs: list[list[int]
         store = dist.TCPStore(_HOST, port, is_master=False, timeout=datetime.timedelta(seconds=CP_TIMEOUT_S))
         dist.init_process_group("gloo", store=store, rank=rank, world_size=world,
                                 timeout=datetime.timedelta(seconds=CP_TIMEOUT_S))
+    except Exception as err:  # retried by run_cp with a fresh store
+        queue.put((rank, ("startup", "error", describe_error(err))))
+        return
+    try:
         model = build_model(config, "blockdiag_cp", seed)
         tensors = [torch.tensor(d) for d in docs]
         batch = collated_batch(tensors, cp_size=world, cp_rank=rank, group=dist.group.WORLD, pad_token_id=pad,

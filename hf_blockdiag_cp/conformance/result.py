@@ -64,7 +64,8 @@ class CheckResult:
             nums.append(f"logits {self.logits_err:.1e}")
         if self.grad_err is not None:
             nums.append(f"grads {self.grad_err:.1e}")
-        nums.append(f"generate {self.generate}")
+        # generate() runs one unpacked sequence: "equal" there says nothing about the packed verdict before it.
+        nums.append(f"unpacked generate() {self.generate}")
         head = f"{self.model}: {self.status}" + (f" ({self.reason})" if self.reason else "")
         ulysses = f", ulysses_size={self.ulysses_size}" if self.ulysses_size > 1 else ""
         return f"{head} | {', '.join(nums)} | cp_size={self.cp_size}{ulysses} | {self.seconds:.1f} s"

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import warnings
 from collections.abc import Sequence
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from .._validate import check_int
 from ..config import PLACEMENTS, BlockDiagCPConfig
@@ -75,6 +77,13 @@ class PackingCollator:
                  ulysses_size: int | str | None = None, heads: HeadShape | None = None, model_config: Any = None,
                  ulysses_groups: Any = None) -> None:
         self.cp_rank, self.cp_size, self.group = resolve_cp(group, cp_rank, cp_size)
+        if self.group is None and self.cp_size > 1 and dist.is_initialized():
+            # Not the default group in its place: DDP's gradient all-reduce runs on it, and collectives of one
+            # group issued in a different order on different ranks (the CP backward's and DDP's) would mis-pair.
+            warnings.warn(f"PackingCollator(cp_size={self.cp_size}, cp_rank={self.cp_rank}) without group= while "
+                          "torch.distributed is initialised: its contexts carry no process group, so a forward "
+                          "outside CPTrainer (which attaches its mesh's) refuses them; pass group=mesh['cp']",
+                          UserWarning, stacklevel=2)
         self.seq_len = check_int("seq_len", seq_len, minimum=1)
         multiple = row_multiple(self.cp_size, pad_to_multiple_of)
         if seq_len % multiple:
@@ -174,7 +183,7 @@ class PackingCollator:
             choice = (layout.ulysses_size, layout.seq_groups)
             if choice not in self._layouts_logged:
                 self._layouts_logged.add(choice)
-                layout_logger.info("hf_blockdiag_cp layout: %s", layout.summary())
+                layout_logger.info("layout: %s", layout.summary())  # the logger's name says whose
         return batch
 
     def __call__(self, examples: Sequence[Any]) -> dict[str, Any]:
@@ -224,13 +233,13 @@ def _layout_inputs(config: BlockDiagCPConfig, cp_size: int, heads: HeadShape | N
     u = config.ulysses_size
     if u == 1 or cp_size == 1:
         return heads, ulysses_groups
+    if isinstance(u, int) and cp_size % u:  # first: no head count can fix it
+        raise ValueError(f"ulysses_size={u} does not divide cp_size={cp_size}")
     if heads is None and model_config is not None:
         heads = head_shape(model_config)
     if heads is None:
         raise ValueError(f"ulysses_size={u!r} splits attention heads over CP ranks: give the collator the model's "
                          "heads (model_config=model.config, or heads=HeadShape(num_q_heads, num_kv_heads, head_dim))")
-    if isinstance(u, int) and cp_size % u:
-        raise ValueError(f"ulysses_size={u} does not divide cp_size={cp_size}")
     if ulysses_groups is None:
         raise ValueError(f"ulysses_size={u!r} needs the head-parallel subgroups: create them once at setup with "
                          "hf_blockdiag_cp.ulysses_groups(mesh, sizes=...) and pass ulysses_groups=")

@@ -50,6 +50,9 @@ class PackedDataset(torch.utils.data.IterableDataset):
         if iter(examples) is examples:
             raise ValueError("examples must be re-iterable (a list or dataset, not an iterator/generator): "
                              "every epoch and every DataLoader worker iterates it from the start")
+        if hasattr(examples, "__len__") and len(examples) == 0:
+            raise ValueError("examples is empty: PackedDataset would yield no rows (and the collator refuses an "
+                             "empty batch); give it at least one example with input_ids")
         self.examples = examples
         self.label_pad_id = label_pad_id
         self.seed = seed
@@ -79,9 +82,21 @@ class PackedDataset(torch.utils.data.IterableDataset):
             random.Random(f"{self.seed}/{self.epoch}/{buffer_no}").shuffle(rows)
         return rows
 
+    def rows(self) -> Iterator[PackedRow]:
+        """Every row of the current epoch in order, in any process (no split among DataLoader workers).
+
+        Raises ``ValueError`` when the examples give no row at all (every document is empty)."""
+        produced = False
+        for row in self._rows():
+            produced = True
+            yield row
+        if not produced:
+            raise ValueError("PackedDataset: the examples hold no tokens (every document is empty), so there is no "
+                             "row to yield")
+
     def __iter__(self) -> Iterator[PackedRow]:
         info = torch.utils.data.get_worker_info()
         worker, workers = (0, 1) if info is None else (info.id, info.num_workers)
-        for i, row in enumerate(self._rows()):
+        for i, row in enumerate(self.rows()):
             if i % workers == worker:
                 yield row

@@ -9,6 +9,8 @@ share their rows, so ``N`` is the sum of the collator's row counts over the ``dp
 
 from __future__ import annotations
 
+import warnings
+import weakref
 from typing import Any
 
 import torch
@@ -18,6 +20,10 @@ from torch.distributed.device_mesh import DeviceMesh
 from .mesh import cp_coordinates
 
 __all__ = ["global_num_items", "normalize_num_items", "reduce_loss_for_logging"]
+
+#: Per default process group: ``"normalized"`` once :func:`normalize_num_items` ran on it, ``"warned"`` once
+#: :func:`reduce_loss_for_logging` warned that it had not. Writers: those two functions; an entry goes with its group.
+_LOSS_NORMALISATION: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def global_num_items(num_items: int | torch.Tensor, mesh: DeviceMesh | None,
@@ -48,16 +54,27 @@ def normalize_num_items(batch: dict[str, Any], mesh: DeviceMesh | None, *, world
         raise ValueError("batch has no num_items_in_batch: build it with hf_blockdiag_cp.PackingCollator")
     total = global_num_items(batch["num_items_in_batch"], mesh, device).clamp_min(1)
     world = world_size if world_size is not None else (mesh.size() if mesh is not None else 1)
+    if dist.is_initialized():
+        _LOSS_NORMALISATION[dist.group.WORLD] = "normalized"
     return {**batch, "num_items_in_batch": total / world}
 
 
 def reduce_loss_for_logging(loss: torch.Tensor, mesh: DeviceMesh | None) -> torch.Tensor:
     """The true global mean from per-rank losses normalised by :func:`normalize_num_items`.
 
-    ``loss_r = W * S_r / N`` so ``sum_r loss_r / W = sum_r S_r / N``; one all-reduce over the world.
+    ``loss_r = W * S_r / N`` so ``sum_r loss_r / W = sum_r S_r / N``; one all-reduce over the world. Warns once
+    (``UserWarning``) when :func:`normalize_num_items` never ran on this process: a loss normalised by the
+    collator's own count is already the token mean of the row on every CP rank, and this would return it divided
+    by the world size.
     """
     value = loss.detach().clone()
     if mesh is None:
         return value
+    world_group = dist.group.WORLD
+    if mesh.size() > 1 and _LOSS_NORMALISATION.get(world_group) is None:
+        _LOSS_NORMALISATION[world_group] = "warned"
+        warnings.warn("reduce_loss_for_logging expects losses of batches passed through normalize_num_items(batch, "
+                      "mesh) (num_items_in_batch = N / world size); normalize_num_items has not run on this process, "
+                      f"so the value returned is the mean divided by {mesh.size()}", UserWarning, stacklevel=2)
     dist.all_reduce(value)
     return value / mesh.size()

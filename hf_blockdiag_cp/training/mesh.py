@@ -9,6 +9,7 @@ crosses nodes.
 from __future__ import annotations
 
 import datetime
+import logging
 import os
 from typing import NamedTuple
 
@@ -18,9 +19,12 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.device_mesh import init_device_mesh as torch_init_device_mesh
 
 from .._validate import check_int
+from ..compat import set_group_timeout
 from ..config import ENV_VARS, BlockDiagCPConfig
 from ..distributed.groups import group_options, group_timeout, record_cp_mesh
 from ..distributed.ulysses import UlyssesGroups, create_ulysses_groups
+
+logger = logging.getLogger(__name__)
 
 __all__ = ["CPCoordinates", "check_group_timeouts", "cp_coordinates", "init_device_mesh", "ulysses_groups"]
 
@@ -39,9 +43,11 @@ def init_device_mesh(cp_size: int, *, device_type: str | None = None,
     Use ``mesh["cp"]`` as the collator's ``group`` and ``mesh["dp"]`` to shard data (every rank of a
     CP group must see the same documents). If ``torch.distributed`` is not initialised yet but the
     launcher's environment is set (``WORLD_SIZE``), it is initialised here (NCCL with CUDA, else gloo)
-    with the config's process-group timeout; an already initialised default group (``accelerate``,
-    the ``Trainer``) whose timeout is longer raises ``ValueError`` (see :func:`check_group_timeouts`).
-    The mesh's own ``dp``/``cp`` groups get that timeout too (torch would give them 30 minutes).
+    with the config's process-group timeout. An already initialised default group (``accelerate``, or
+    ``TrainingArguments(..., use_cpu=True)``, which creates it under a launcher with 30 minutes) is adopted:
+    a longer timeout than the config's is lowered to it (logged), so building ``TrainingArguments`` first,
+    as every Hugging Face tutorial does, works. The mesh's own ``dp``/``cp`` groups get that timeout too
+    (torch would give them 30 minutes).
     """
     check_int("cp_size", cp_size, minimum=1)
     config = config or BlockDiagCPConfig()
@@ -51,6 +57,8 @@ def init_device_mesh(cp_size: int, *, device_type: str | None = None,
             raise RuntimeError("init_device_mesh needs torch.distributed: launch with `accelerate launch` or "
                                "`torchrun`, or call torch.distributed.init_process_group first")
         dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo", timeout=timeout)
+    else:
+        adopt_default_group(timeout)
     check_group_timeouts(None, config)
     world = dist.get_world_size()
     if world % cp_size:
@@ -64,6 +72,20 @@ def init_device_mesh(cp_size: int, *, device_type: str | None = None,
     check_group_timeouts(mesh, config)
     record_cp_mesh(cp_size)
     return mesh
+
+
+def adopt_default_group(timeout: datetime.timedelta) -> None:
+    """Lower the default process group's timeout to ``timeout`` when it waits longer (never raise it).
+
+    Collectives outside this package (DDP's gradient all-reduce, the Trainer's count gather) run on the
+    default group: bounding it ends every rank within ``timeout`` when one stalls, as a group created here would.
+    """
+    current = group_timeout(dist.group.WORLD)
+    if current is not None and current > timeout:
+        set_group_timeout(dist.group.WORLD, timeout)
+        logger.info("hf_blockdiag_cp: the default process group (created before init_device_mesh, e.g. by "
+                    "TrainingArguments or accelerate) had a timeout of %g s; lowered to %g s",
+                    current.total_seconds(), timeout.total_seconds())
 
 
 def check_group_timeouts(mesh: DeviceMesh | None, config: BlockDiagCPConfig | None = None) -> None:
@@ -89,8 +111,9 @@ def check_group_timeouts(mesh: DeviceMesh | None, config: BlockDiagCPConfig | No
                 f"timeout=BlockDiagCPConfig().process_group_timeout (accelerate: Accelerator(kwargs_handlers="
                 f"[InitProcessGroupKwargs(timeout=...)]); Trainer: TrainingArguments(ddp_timeout="
                 f"{int(bound.total_seconds())}), which transformers ignores with use_cpu=True; torch: "
-                f"init_process_group(timeout=...)), or let hf_blockdiag_cp.init_device_mesh create it before "
-                f"anything else does, or raise {ENV_VARS['collective_timeout_s']} to at "
+                f"init_process_group(timeout=...)), or build the mesh with hf_blockdiag_cp.init_device_mesh (it "
+                f"lowers the default group's timeout and gives its own groups the bound), or raise "
+                f"{ENV_VARS['collective_timeout_s']} to at "
                 f"least {_seconds(timeout)}")
 
 

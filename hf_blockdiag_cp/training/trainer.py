@@ -17,13 +17,13 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh
 from torch.utils.data import DataLoader, Dataset, IterableDataset
-from transformers import Trainer, TrainerCallback
+from transformers import Trainer, TrainerCallback, TrainingArguments
 from transformers.utils import is_datasets_available
 
 from ..compat import accelerate_prepared, check_trainer_internals, forget_accelerate_prepared
@@ -34,7 +34,7 @@ from ..model import require_blockdiag_cp
 from .checks import check_collator, check_no_accelerate_cp, guard_model
 from .chunked_loss import DEFAULT_CHUNK_SIZE, check_chunked_loss, chunked_causal_lm_loss
 from .consistency import check_parameters_consistent
-from .data import dp_dataloader
+from .data import shard_loader
 from .mesh import check_group_timeouts, cp_coordinates
 from .predict import gather_over_dp, gather_row_order, mean_over_cp, preprocess_local
 
@@ -43,35 +43,9 @@ __all__ = ["CPTrainer"]
 check_trainer_internals(Trainer)  # the private Trainer methods overridden or called below (ImportError if renamed)
 
 
-class EndlessPasses(IterableDataset):
-    """The passes over an iterable dataset back to back: pass ``k`` runs after ``set_epoch(epoch + k)``.
-
-    Under DP the groups may hold different numbers of rows per pass; if a group's epoch ended early the
-    Trainer would start a new epoch (or a short accumulation step) there alone and the collectives of
-    the groups would pair up wrongly or hang. An endless stream gives every group exactly
-    ``max_steps * gradient_accumulation_steps`` micro-batches (iterable datasets need ``max_steps`` anyway).
-    """
-
-    def __init__(self, dataset: IterableDataset) -> None:
-        super().__init__()
-        self.dataset, self.epoch = dataset, 0
-
-    def set_epoch(self, epoch: int) -> None:
-        self.epoch = int(epoch)
-
-    def __iter__(self) -> Iterator[Any]:
-        epoch = self.epoch
-        while True:
-            if hasattr(self.dataset, "set_epoch"):
-                self.dataset.set_epoch(epoch)
-            produced = False
-            for item in self.dataset:
-                produced = True
-                yield item
-            if not produced:
-                raise ValueError("the training dataset yields nothing (in this DataLoader worker): give it more data "
-                                 "or lower dataloader_num_workers")
-            epoch += 1
+#: ``TrainingArguments.per_device_eval_batch_size``'s default, which CP replaces by 1 (one row per micro-batch).
+_DEFAULT_EVAL_BATCH_SIZE = next(f.default for f in dataclasses.fields(TrainingArguments)
+                                if f.name == "per_device_eval_batch_size")
 
 
 def _is_hf_map_dataset(dataset: Any) -> bool:
@@ -95,7 +69,8 @@ class CPTrainer(Trainer):
     """``transformers.Trainer`` for block-diagonal context parallelism on a (dp, cp) mesh.
 
     Takes every ``Trainer`` argument plus ``mesh``: the :func:`~hf_blockdiag_cp.init_device_mesh` mesh, or
-    ``None`` (no CP: the stock Trainer data path, with the set-up checks below; on several processes every process
+    ``None`` (no CP, with the set-up checks below; training takes the same data path as with a mesh, each process a
+    DP group of one, so a CP run reproduces its one-process run step for step; on several processes every process
     collates its own batches, since accelerate cannot dispatch a ``cp_context``). Use it with a
     :class:`~hf_blockdiag_cp.PackingCollator` built with ``group=mesh["cp"]`` and a model loaded with
     ``attn_implementation="blockdiag_cp"``; feed :class:`~hf_blockdiag_cp.PackedDataset` rows with
@@ -232,11 +207,23 @@ class CPTrainer(Trainer):
         Overridden because the stock builder (``Trainer._get_dataloader``) ends in ``accelerator.prepare``,
         which shards/dispatches over all processes. Device placement still happens in ``_prepare_inputs``.
         """
-        if self.mesh is None:
+        args = self.args
+        if self.mesh is None and (not is_training or args.parallelism_config is not None
+                                  or args.train_sampling_strategy not in ("random", "sequential")):
             return super()._get_dataloader(dataset, description, batch_size, sampler_fn, is_training,
                                            dataloader_key)
-        args, coords = self.args, cp_coordinates(self.mesh)
-        if coords.cp_size > 1 and batch_size != 1 and isinstance(dataset, PackedDataset):
+        # Training without a mesh takes the same path as with one (each process its own data-parallel share), so
+        # that a CP run reproduces its one-process run step for step, across pass boundaries too.
+        if self.mesh is None:
+            dp_rank, dp_size, cp_size = args.process_index, args.world_size, 1
+        else:
+            coords = cp_coordinates(self.mesh)
+            dp_rank, dp_size, cp_size = coords.dp_rank, coords.dp_size, coords.cp_size
+        if cp_size > 1 and not is_training and batch_size == _DEFAULT_EVAL_BATCH_SIZE \
+                and args.per_device_eval_batch_size == _DEFAULT_EVAL_BATCH_SIZE:
+            # TrainingArguments' default, not a choice: under CP an evaluation micro-batch is one row.
+            batch_size = 1
+        if cp_size > 1 and batch_size != 1 and isinstance(dataset, PackedDataset):
             name = "per_device_train_batch_size" if is_training else "per_device_eval_batch_size"
             raise ValueError(f"{name}={batch_size}: under CP a micro-batch is one PackedDataset row (the context "
                              f"and exchange are planned per row); set {name}=1 and use gradient_accumulation_steps")
@@ -246,16 +233,16 @@ class CPTrainer(Trainer):
         else:
             collator = self._get_collator_with_removed_columns(collator, description=description)
         iterable = isinstance(dataset, IterableDataset)
-        if iterable and is_training:
-            dataset = EndlessPasses(dataset)
-        elif iterable and coords.dp_size > 1:
+        if iterable and not is_training and dp_size > 1:
             # Evaluation gathers over all processes every step, so every DP group needs the same number of
             # batches: a finite list gets DistributedSampler's padding to equal length.
             dataset = list(dataset)
-        loader = dp_dataloader(
-            dataset, self.mesh, collate_fn=collator, batch_size=batch_size,
+            iterable = False
+        loader = shard_loader(
+            dataset, dp_rank, dp_size, collate_fn=collator, batch_size=batch_size,
             shuffle=is_training and not iterable and args.train_sampling_strategy == "random",
             seed=args.data_seed if args.data_seed is not None else args.seed, drop_last=args.dataloader_drop_last,
+            endless=iterable and is_training,
             num_workers=args.dataloader_num_workers, pin_memory=args.dataloader_pin_memory,
             persistent_workers=args.dataloader_persistent_workers,
             multiprocessing_context=args.dataloader_multiprocessing_context,

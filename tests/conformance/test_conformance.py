@@ -207,7 +207,8 @@ def test_check_reports_fail_for_wrong_attention(monkeypatch):
 def test_cli_prints_one_line_and_json(capsys):
     assert conformance.main(["llama", "--no-generate"]) == 0
     assert capsys.readouterr().out.startswith("llama: exact")
-    assert conformance.main(["mamba", "--no-generate", "--json"]) == 0
+    # A refused model exits 3 (documented in --help), not 0.
+    assert conformance.main(["mamba", "--no-generate", "--json"]) == 3
     data = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert data["status"] == REFUSED and "carry state" in data["reason"]
 
@@ -305,3 +306,21 @@ def test_full_sweep_has_no_fail(tmp_path):
     results = conformance.sweep(conformance.causal_lm_types(), cp_size=1, timeout=300, jsonl=tmp_path / "sweep.jsonl")
     failures = [r.line() for r in results if r.status == FAIL]
     assert not failures, "\n".join(failures)
+
+
+def test_cp_size_2_names_the_cp_reason_first_and_refused_exits_3(monkeypatch, capsys):
+    from hf_blockdiag_cp.conformance import compare
+
+    def refuse_cp1(*args, **kwargs):
+        raise NotImplementedError("the CP=1 reason")
+
+    def refuse_cp(*args, **kwargs):
+        raise NotImplementedError("the CP reason")
+
+    monkeypatch.setattr(compare, "packed_run", refuse_cp1)
+    monkeypatch.setattr(compare, "run_cp", refuse_cp)
+    assert conformance.main(["llama", "--no-generate", "--cp-size", "2"]) == 3
+    line = capsys.readouterr().out.strip().splitlines()[-1]
+    assert line.startswith("llama: refused (NotImplementedError: the CP reason)"), line
+    # The generate() column says it ran unpacked, so "equal" next to "refused" does not read as a contradiction.
+    assert "unpacked generate() not run" in line, line

@@ -68,9 +68,13 @@ def test_the_store_outlives_a_rank_that_leaves_first():
     assert run_ranks(_leave_first, 2, timeout=120) == ["left", "stayed"]
 
 
-PROBE = """import os
-print("probe", os.environ["RANK"], os.environ["MASTER_PORT"], os.environ["TORCHELASTIC_USE_AGENT_STORE"],
-      os.environ["TORCHELASTIC_RUN_ID"], os.getppid(), flush=True)
+# One write per line: the ranks share the launcher's stdout pipe, and print() writes its parts separately (seen
+# under load: "probeprobe 0 ..."); a single write of under PIPE_BUF bytes is not interleaved.
+PROBE = """import os, sys
+fields = ("probe", os.environ["RANK"], os.environ["MASTER_PORT"], os.environ["TORCHELASTIC_USE_AGENT_STORE"],
+          os.environ["TORCHELASTIC_RUN_ID"], str(os.getppid()))
+sys.stdout.write(" ".join(fields) + "\\n")
+sys.stdout.flush()
 """
 
 
@@ -88,3 +92,28 @@ def test_launch_example_uses_a_store_its_launcher_binds_and_serves(tmp_path):
     (_, port0, agent0, run0, parent0), (_, port1, agent1, run1, parent1) = lines
     assert agent0 == agent1 == "True"  # the ranks connect to the launcher's store as clients
     assert port0 == port1 and run0 == run1 != "none" and parent0 == parent1
+
+
+def test_a_rank_set_that_fails_to_start_is_stopped_and_started_again(capfd):
+    # Rank 1 fails to create the group on the first attempt (what gloo's connectFullMesh does on a busy machine):
+    # rank 0, waiting for it inside init_process_group, is stopped at once instead of waiting out its timeout, and
+    # the whole set starts again on a fresh store.
+    start = time.monotonic()
+    results = run_ranks(_sum_of_ranks, 2, timeout=120, pg_timeout_s=600, env={1: {"_FAIL_STARTUP_ON_ATTEMPT": "0"}})
+    elapsed = time.monotonic() - start
+    assert results == [(0, 2, 3), (1, 2, 3)]
+    err = capfd.readouterr().err
+    assert "attempt 1/3 of _sum_of_ranks on 2 ranks failed to start" in err and "connectFullMesh" in err, err
+    assert elapsed < 100, f"{elapsed:.0f} s: the peer waited for its 600 s group timeout"
+
+
+def test_a_rank_set_that_never_starts_fails_with_the_cause():
+    import tests.launch as launch
+
+    # One attempt allowed, and it fails: the error names the cause (not a timeout).
+    attempts, launch.STARTUP_ATTEMPTS = launch.STARTUP_ATTEMPTS, 1
+    try:
+        with pytest.raises(AssertionError, match="failed to create their process group 1 times(.|\\n)*connectFullMesh"):
+            run_ranks(_sum_of_ranks, 2, timeout=120, env={0: {"_FAIL_STARTUP_ON_ATTEMPT": "0"}})
+    finally:
+        launch.STARTUP_ATTEMPTS = attempts

@@ -162,14 +162,18 @@ def _setup_and_positions_worker(rank: int, world: int, tmp: str) -> dict:
     from transformers import TrainingArguments
 
     from hf_blockdiag_cp.distributed.groups import group_timeout
+    from hf_blockdiag_cp.training.mesh import check_group_timeouts
 
     out = {}
     # The harness made the default group with torch's 30-minute default, like accelerate and the Trainer.
     assert group_timeout() == datetime.timedelta(minutes=30)
-    try:
-        bd.init_device_mesh(2)
+    try:  # a mesh of torch's own on that group: CPTrainer refuses it, naming the fixes
+        check_group_timeouts(None)
     except ValueError as err:
         out["world_too_long"] = str(err)
+    # init_device_mesh adopts the group (TrainingArguments first, the HF order) and lowers its timeout.
+    bd.init_device_mesh(2)
+    out["adopted"] = group_timeout().total_seconds()
     relaxed = bd.BlockDiagCPConfig(collective_timeout_s=1800)  # or the package's bound is raised to match
     relaxed_mesh = bd.init_device_mesh(2, config=relaxed)
     out["relaxed"] = [group_timeout(relaxed_mesh[d].get_group()).total_seconds() for d in ("dp", "cp")]
@@ -224,6 +228,7 @@ def test_process_group_timeouts_and_position_ids_on_two_ranks(tmp_path):
         assert "the default process group has a timeout of 1800 s, longer than the 660 s" in msg, msg
         for fix in ("InitProcessGroupKwargs", "ddp_timeout=660", "HF_BLOCKDIAG_CP_COLLECTIVE_TIMEOUT_S"):
             assert fix in msg, (fix, msg)
+        assert out["adopted"] == 660.0
         assert out["relaxed"] == [1980.0, 1980.0]
         assert "the mesh's 'dp' group has a timeout of 1800 s" in out["trainer"], out["trainer"]
         assert out["mesh"] == [660.0, 660.0]

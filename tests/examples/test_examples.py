@@ -208,3 +208,35 @@ def test_other_ranks_wait_before_exiting_on_a_set_up_error(monkeypatch, capsys):
         err = capsys.readouterr().err
         assert err == ("" if rank == "1" else "error: --cp-size 3 does not divide the 2 launched processes\n"), err
     assert common.OTHER_RANKS_EXIT_AFTER_S >= 5
+
+
+@pytest.mark.parametrize(("argv", "world", "message"), [
+    (["--max-docs", "0"], "2", "--max-docs 0: give at least 1 document (or leave it out to use them all)"),
+    (["--seq-len", "1001"], "2", "--seq-len 1001 is not divisible by the CP size 2 (each rank holds seq_len / "
+                                 "cp_size tokens): use a multiple of 2, e.g. --seq-len 1002"),
+])
+def test_argument_mistakes_end_before_the_ranks_start_work_with_the_line_last_in_torchruns_report(
+        argv, world, message, monkeypatch, capsys, tmp_path):
+    """Checked before anything distributed starts; torchrun's failure report (printed after the ranks exit, by
+    ``accelerate launch`` too) then ends with the same line, read from the rank's error file."""
+    import json
+    import sys
+
+    sys.path.insert(0, str(ROOT / "examples"))
+    import common
+
+    args = common.example_parser("x").parse_args(argv)
+    error_file = tmp_path / "error.json"
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", world)
+    monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(error_file))
+    with pytest.raises(SystemExit) as exit_:
+        with common.one_line_errors():
+            common.check_common_args(args)
+    assert exit_.value.code == 2
+    assert capsys.readouterr().err == f"error: {message}\n"
+    assert json.loads(error_file.read_text())["message"] == f"error: {message}"
+    from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
+
+    failure = ProcessFailure(local_rank=0, pid=1, exitcode=2, error_file=str(error_file))
+    assert failure.message == f"error: {message}"  # what torchrun prints as the root cause's last line
