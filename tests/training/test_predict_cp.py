@@ -76,10 +76,9 @@ def _sft_predict(mesh, tmp: str, preprocess) -> dict:
 
 def _predict_worker(rank: int, world: int, tmp: str) -> dict:
     import numpy as np
-    import torch
 
     import hf_blockdiag_cp as bd
-    from tests.reference import tiny_model
+    from tests.reference import documents_alone, tiny_model
 
     mesh = bd.init_device_mesh(world)
     examples = [{"input_ids": d.tolist()} for d in _documents()]
@@ -120,9 +119,8 @@ def _predict_worker(rank: int, world: int, tmp: str) -> dict:
 
     out["sft"] = _sft_predict(mesh, tmp, lambda logits, labels: logits.argmax(-1))
     out["reference"] = _one_process_rows(model, examples)
-    alone = tiny_model("llama", attn_implementation="sdpa")
-    with torch.no_grad():
-        out["alone"] = [alone(d[None], use_cache=False).logits[0].numpy() for d in _documents()]
+    alone = documents_alone("llama", _documents(), backward=False)
+    out["alone"] = [lg.numpy() for lg in alone.split(_documents())]
     return out
 
 
