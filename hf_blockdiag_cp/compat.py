@@ -2,7 +2,7 @@
 
 Each entry has a test in tests/package/test_compat.py that fails when the upstream name or its
 behaviour changes; pyproject.toml bounds the dependencies to the versions those tests cover (torch 2.13,
-transformers 5.25, accelerate 1.16). This module imports no part of the package (it sits below every
+transformers 5.25, accelerate 1.16, trl 1.16). This module imports no part of the package (it sits below every
 subpackage) and no optional or slow dependency: callers pass the objects in. The transformers methods
 the package wraps are listed, and tested, in :mod:`hf_blockdiag_cp.integration`.
 """
@@ -11,16 +11,18 @@ from __future__ import annotations
 
 import datetime
 import inspect
+import sys
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch.distributed.distributed_c10d import _resolve_process_group, _set_pg_timeout
 
-__all__ = ["CPU_FLASH_ATTENTION", "CPU_FLASH_ATTENTION_BACKWARD", "MASK_CLOSURES", "TRAINER_PRIVATE_METHODS",
-           "accelerate_prepared", "backend_options", "backend_timeouts", "can_set_attn_implementation",
-           "check_trainer_internals", "forget_accelerate_prepared", "forward_hooks", "model_from_config",
-           "resolve_process_group", "set_group_timeout"]
+__all__ = ["CPU_FLASH_ATTENTION", "CPU_FLASH_ATTENTION_BACKWARD", "MASK_CLOSURES", "SFT_TRAINER_PRIVATE_METHODS",
+           "TRAINER_PRIVATE_METHODS", "accelerate_dispatching_processes", "accelerate_prepared", "backend_options",
+           "backend_timeouts", "cache_eval_dataloader", "can_set_attn_implementation", "check_sft_trainer_internals",
+           "check_trainer_internals", "config_attn_implementation", "forget_accelerate_prepared", "forward_hooks",
+           "model_from_config", "resolve_process_group", "set_group_timeout"]
 
 # ---- transformers -----------------------------------------------------------------------------------------
 
@@ -40,6 +42,12 @@ MASK_CLOSURES: dict[str, str] = {
     "padding": "padding_mask_function.<locals>.inner_mask",
     "bidirectional_sliding_window": "sliding_window_bidirectional_overlay.<locals>.inner_mask",
 }
+
+
+def config_attn_implementation(config: Any) -> str | None:
+    """The attention implementation a transformers config names (its private ``_attn_implementation``, which
+    ``from_pretrained(attn_implementation=...)`` and ``set_attn_implementation`` write); ``None`` when absent."""
+    return getattr(config, "_attn_implementation", None)
 
 
 def can_set_attn_implementation(model_class: type) -> bool | None:
@@ -118,17 +126,47 @@ TRAINER_PRIVATE_METHODS: dict[str, tuple[str, ...]] = {
 }
 
 
+def _check_private_methods(cls: type, table: dict[str, tuple[str, ...]], owner: str, user: str) -> None:
+    """Raise ``ImportError`` if ``cls`` lacks a method of ``table`` or its leading parameters changed."""
+    library = owner.split(".")[0]
+    for name, expected in table.items():
+        method = getattr(cls, name, None)
+        params = tuple(inspect.signature(method).parameters)[1:] if callable(method) else None
+        if params is None or params[:len(expected)] != expected:
+            raise ImportError(f"{owner}.{name}{'' if params is None else params} is not "
+                              f"{name}(self, {', '.join(expected)}) in this {library} version: {user} relies on "
+                              f"it; use a {library} version within the bounds in hf-blockdiag-cp's pyproject.toml")
+
+
 def check_trainer_internals(trainer_cls: type) -> None:
     """Raise ``ImportError`` if ``trainer_cls`` (``transformers.Trainer``) lacks a method of
     :data:`TRAINER_PRIVATE_METHODS` or its parameters changed: an override nobody calls would let the
     stock loaders shard CP batches over all processes without a word."""
-    for name, expected in TRAINER_PRIVATE_METHODS.items():
-        method = getattr(trainer_cls, name, None)
-        params = tuple(inspect.signature(method).parameters)[1:] if callable(method) else None
-        if params is None or params[:len(expected)] != expected:
-            raise ImportError(f"transformers.Trainer.{name}{'' if params is None else params} is not "
-                              f"{name}(self, {', '.join(expected)}) in this transformers version: CPTrainer relies on "
-                              "it; use a transformers version within the bounds in hf-blockdiag-cp's pyproject.toml")
+    _check_private_methods(trainer_cls, TRAINER_PRIVATE_METHODS, "transformers.Trainer", "CPTrainer")
+
+
+def cache_eval_dataloader(trainer: Any, dataloader_key: str, loader: Any) -> None:
+    """Keep ``loader`` where ``Trainer.get_eval_dataloader`` looks for a persistent-workers loader to reuse (the
+    private dict ``_eval_dataloaders``), as the stock ``_get_dataloader`` does."""
+    if not hasattr(trainer, "_eval_dataloaders"):
+        trainer._eval_dataloaders = {}
+    trainer._eval_dataloaders[dataloader_key] = loader
+
+
+# ---- TRL SFTTrainer (training/trl.py overrides these) ------------------------------------------------------
+
+#: ``trl.SFTTrainer`` methods ``CPSFTTrainer`` overrides, with the parameters it passes on.
+SFT_TRAINER_PRIVATE_METHODS: dict[str, tuple[str, ...]] = {
+    # Tokenisation and TRL's packing; CPSFTTrainer calls it with packing=False and packs the rows itself.
+    "_prepare_dataset": ("dataset", "processing_class", "args", "packing", "formatting_func", "dataset_name"),
+}
+
+
+def check_sft_trainer_internals(sft_trainer_cls: type) -> None:
+    """Raise ``ImportError`` if ``sft_trainer_cls`` (``trl.SFTTrainer``) lacks a method of
+    :data:`SFT_TRAINER_PRIVATE_METHODS` or its parameters changed: a renamed method would leave TRL packing the
+    data its own way (without a word) under CPSFTTrainer."""
+    _check_private_methods(sft_trainer_cls, SFT_TRAINER_PRIVATE_METHODS, "trl.SFTTrainer", "CPSFTTrainer")
 
 
 # ---- accelerate -----------------------------------------------------------------------------------------
@@ -136,6 +174,18 @@ def check_trainer_internals(trainer_cls: type) -> None:
 def accelerate_prepared(model: torch.nn.Module) -> bool:
     """Whether accelerate marked ``model`` as prepared (``prepare_model`` sets ``_is_accelerate_prepared``)."""
     return bool(getattr(model, "_is_accelerate_prepared", False))
+
+
+def accelerate_dispatching_processes() -> int:
+    """How many processes accelerate's active ``DataLoaderDispatcher`` collates for (0 when accelerate is not
+    imported, its state is not initialised, or the active loader is no dispatcher). Reads accelerate's
+    ``GradientState().active_dataloader`` and its ``state.num_processes``; imports and creates nothing."""
+    state, loaders = sys.modules.get("accelerate.state"), sys.modules.get("accelerate.data_loader")
+    # Only an Accelerator prepares a dispatcher, and it initialises the state: nothing is created here.
+    if state is None or loaders is None or not state.is_initialized():
+        return 0
+    active = state.GradientState().active_dataloader
+    return active.state.num_processes if isinstance(active, loaders.DataLoaderDispatcher) else 0
 
 
 def forget_accelerate_prepared(accelerator: Any, model: torch.nn.Module) -> None:

@@ -54,6 +54,31 @@ def dense_reference(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     return probs @ v64
 
 
+def attention_documents_alone(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, doc: torch.Tensor, offset: int
+                              ) -> torch.Tensor:
+    """The attention-level form of :func:`documents_alone`: each document alone through plain causal SDPA.
+
+    ``q [1, Hq, L, D]`` at rows ``[offset, offset+L)`` of ``doc [S]`` (document ids), ``k``/``v [1, Hkv, S, D]``.
+    Returns ``[1, Hq, L, D]`` for the local rows.
+    """
+    out = torch.zeros_like(q)
+    rows = torch.arange(offset, offset + q.shape[2])
+    for d in doc.unique().tolist():
+        keys = torch.nonzero(doc == d).flatten()
+        local = torch.nonzero(doc[rows] == d).flatten()
+        if not local.numel():
+            continue
+        n = local.numel()
+        kd = k[:, :, keys[0]: offset + int(local[-1]) + 1]
+        vd = v[:, :, keys[0]: offset + int(local[-1]) + 1]
+        qd = q[:, :, local]
+        # bottom-right causal: the n local queries are the last n of the document's keys so far
+        prefix = kd.shape[2] - n
+        mask = torch.arange(kd.shape[2])[None, :] <= (prefix + torch.arange(n))[:, None]
+        out[:, :, local] = torch.nn.functional.scaled_dot_product_attention(qd, kd, vd, attn_mask=mask, enable_gqa=True)
+    return out
+
+
 TINY = dict(vocab_size=97, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, max_position_embeddings=512, rms_norm_eps=1e-6)
 
@@ -82,20 +107,59 @@ def random_documents(lengths: Sequence[int], seed: int = 7, vocab: int = 97) -> 
     return [torch.randint(1, vocab, (n,), generator=gen) for n in lengths]
 
 
-def documents_alone(kind: str, docs: Sequence[torch.Tensor], model: torch.nn.Module | None = None
-                    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+class Alone:
+    """What :func:`documents_alone` measured. Unpacks as ``logits, grads`` (its first callers' form).
+
+    ``logits [T, V]``: every document's logits in ``docs`` order (float32, or float32 copies under autocast);
+    ``grads``: ``{parameter name: grad}`` of the loss (empty with ``backward=False``); ``loss``: that loss.
+    """
+
+    def __init__(self, logits: torch.Tensor, grads: dict[str, torch.Tensor], loss: float) -> None:
+        self.logits, self.grads, self.loss = logits, grads, loss
+
+    def __iter__(self):
+        return iter((self.logits, self.grads))
+
+    def split(self, docs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        """The logits per document, ``[len(doc), V]`` each."""
+        return list(torch.split(self.logits, [len(d) for d in docs]))
+
+
+def documents_alone(kind: str, docs: Sequence[torch.Tensor], model: torch.nn.Module | None = None, *,
+                    attn_implementation: str = "sdpa", labels: Sequence[torch.Tensor] | None = None,
+                    first_positions: Sequence[int] | None = None, autocast: torch.dtype | None = None,
+                    reduction: str = "mean", backward: bool = True) -> Alone:
     """The reference of every packed test: each document alone through the unmodified (stock ``"sdpa"``) model.
 
-    Runs ``docs`` (1-D token tensors) one by one through ``model`` (default: the tiny model of ``kind``) and
-    backpropagates the mean next-token loss over all documents. Returns ``(logits [T, V]`` in row order,
-    ``{parameter name: grad})``.
+    Runs ``docs`` (1-D token tensors) one by one through ``model`` (default: the tiny model of ``kind`` with
+    ``attn_implementation``), each at positions from ``first_positions[i]`` (default 0), under CPU autocast to
+    ``autocast`` if given. Loss: next-token cross entropy against ``labels`` (default the documents; -100 is
+    ignored), in float64, summed over documents and divided by the predicted-token count (``reduction="mean"``)
+    or not (``"sum"``); backpropagated unless ``backward=False`` (then no autograd at all).
     """
-    model = model if model is not None else tiny_model(kind, attn_implementation="sdpa")
-    count = sum(len(d) - 1 for d in docs)
-    logits = [model(d[None], use_cache=False).logits[0] for d in docs]
-    loss = sum(torch.nn.functional.cross_entropy(lg[:-1], d[1:], reduction="sum") for lg, d in zip(logits, docs))
-    (loss / count).backward()
-    return torch.cat(logits).detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+    model = model if model is not None else tiny_model(kind, attn_implementation=attn_implementation)
+    labels = docs if labels is None else labels
+    starts = [None] * len(docs) if first_positions is None else first_positions
+    logits, loss, count = [], 0.0, 0
+    with torch.set_grad_enabled(backward and torch.is_grad_enabled()):
+        for doc, target, start in zip(docs, labels, starts):
+            # Positions only when asked: some architectures take none, and the default is 0, 1, ...
+            positions = {} if start is None else {"position_ids": torch.arange(start, start + len(doc))[None]}
+            with torch.autocast("cpu", dtype=autocast or torch.bfloat16, enabled=autocast is not None):
+                out = model(input_ids=doc[None], use_cache=False, **positions).logits[0].float()
+            logits.append(out)
+            loss = loss + torch.nn.functional.cross_entropy(out[:-1].double(), target[1:], ignore_index=-100,
+                                                            reduction="sum")
+            count += int((target[1:] != -100).sum())
+        if reduction == "mean":
+            loss = loss / count
+        elif reduction != "sum":
+            raise ValueError(f"reduction={reduction!r}: 'mean' or 'sum'")
+    grads = {}
+    if backward:
+        loss.backward()
+        grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    return Alone(torch.cat(logits).detach(), grads, float(loss.detach()) if torch.is_tensor(loss) else loss)
 
 
 def per_document_sgd_step(docs: Sequence[torch.Tensor]) -> tuple[dict, dict, float]:
@@ -105,10 +169,7 @@ def per_document_sgd_step(docs: Sequence[torch.Tensor]) -> tuple[dict, dict, flo
     Returns (parameters before, parameters after, loss).
     """
     model = tiny_model("llama", attn_implementation="sdpa")
-    count = sum(len(d) - 1 for d in docs)
-    loss = sum(torch.nn.functional.cross_entropy(model(d[None], use_cache=False).logits[0, :-1], d[1:],
-                                                 reduction="sum") for d in docs) / count
-    loss.backward()
+    loss = documents_alone("llama", docs, model).loss
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     torch.optim.SGD(model.parameters(), lr=1.0).step()
-    return before, {n: p.detach().clone() for n, p in model.named_parameters()}, loss.item()
+    return before, {n: p.detach().clone() for n, p in model.named_parameters()}, loss

@@ -8,7 +8,6 @@ permuting tokens never changes what a token predicts.
 
 from __future__ import annotations
 
-import sys
 import warnings
 from collections.abc import Sequence
 from typing import Any
@@ -17,6 +16,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 from .._validate import check_int
+from ..compat import accelerate_dispatching_processes
 from ..config import BlockDiagCPConfig
 from ..context import BlockDiagCPContext
 from .rows import FullRows
@@ -76,15 +76,11 @@ def check_not_dispatched() -> None:
     ``TypeError: Can only concatenate tensors but got <class 'int'>``). Reads only what is already imported:
     without accelerate loaded there is no dispatcher.
     """
-    state, loaders = sys.modules.get("accelerate.state"), sys.modules.get("accelerate.data_loader")
-    # Only an Accelerator prepares a dispatcher, and it initialises the state: nothing is created here.
-    if state is None or loaders is None or not state.is_initialized():
-        return
-    active = state.GradientState().active_dataloader
-    if isinstance(active, loaders.DataLoaderDispatcher) and active.state.num_processes > 1:
+    processes = accelerate_dispatching_processes()
+    if processes > 1:
         raise ValueError(
             f"accelerate's DataLoaderDispatcher (its default for an iterable dataset such as PackedDataset on "
-            f"{active.state.num_processes} processes) concatenates every process's batch on process 0, which "
+            f"{processes} processes) concatenates every process's batch on process 0, which "
             f"cannot carry this batch's cp_context: {DISPATCH_FIX}")
 
 

@@ -28,7 +28,7 @@ import sys
 import torch
 from transformers import PreTrainedModel
 
-from ..compat import can_set_attn_implementation
+from ..compat import can_set_attn_implementation, config_attn_implementation
 from ..config import ATTN_IMPLEMENTATION
 from ..errors import UnsupportedModel
 
@@ -52,7 +52,7 @@ def model_type(model: torch.nn.Module) -> str:
 
 def attn_implementation(model: torch.nn.Module) -> str | None:
     """The attention implementation ``model``'s config names (``None``: no config, e.g. a plain module)."""
-    return getattr(getattr(model, "config", None), "_attn_implementation", None)
+    return config_attn_implementation(getattr(model, "config", None))
 
 
 def uses_blockdiag_cp(model: torch.nn.Module) -> bool:

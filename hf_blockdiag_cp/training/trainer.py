@@ -26,7 +26,7 @@ from torch.utils.data import DataLoader, Dataset, IterableDataset
 from transformers import Trainer, TrainerCallback, TrainingArguments
 from transformers.utils import is_datasets_available
 
-from ..compat import accelerate_prepared, check_trainer_internals, forget_accelerate_prepared
+from ..compat import accelerate_prepared, cache_eval_dataloader, check_trainer_internals, forget_accelerate_prepared
 from ..config import BlockDiagCPConfig
 from ..context import BlockDiagCPContext
 from ..data import PackedDataset, PackingCollator
@@ -250,9 +250,7 @@ class CPTrainer(Trainer):
         # The Trainer calls set_epoch on the loader (accelerate's loaders forward it); a plain DataLoader has none.
         loader.set_epoch = functools.partial(_set_loader_epoch, loader)
         if dataloader_key is not None and args.dataloader_persistent_workers:  # as the stock builder caches
-            if not hasattr(self, "_eval_dataloaders"):
-                self._eval_dataloaders = {}
-            self._eval_dataloaders[dataloader_key] = loader
+            cache_eval_dataloader(self, dataloader_key, loader)
         return loader
 
     def _prepare_inputs(self, inputs: dict[str, torch.Tensor | Any]) -> dict[str, torch.Tensor | Any]:

@@ -29,6 +29,7 @@ import torch
 from torch.utils.data import Dataset
 from torch.utils.data import IterableDataset as TorchIterableDataset
 
+from ..compat import check_sft_trainer_internals
 from ..config import ATTN_IMPLEMENTATION, BlockDiagCPConfig
 from ..data import PackedDataset, PackedRow, PackingCollator
 from ..model import require_blockdiag_cp
@@ -42,6 +43,8 @@ except ImportError as err:  # pragma: no cover - exercised only without the extr
                       f"(trl>=1.16, peft>=0.21, datasets); the import failed with: {err}") from err
 
 __all__ = ["CPSFTTrainer", "PackedRows"]
+
+check_sft_trainer_internals(SFTTrainer)  # the private method overridden below (ImportError if renamed)
 
 
 class PackedRows(Dataset):

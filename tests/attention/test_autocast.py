@@ -8,29 +8,21 @@ import torch
 
 import hf_blockdiag_cp as bd
 from tests.launch import run_ranks
-from tests.reference import tiny_model
+from tests.reference import documents_alone, random_documents, tiny_model
 
 LENGTHS = [13, 29, 7, 19]  # 68 tokens, padded to 72 by the collator
 SEQ_LEN = 72
 
 
 def _docs() -> list[torch.Tensor]:
-    gen = torch.Generator().manual_seed(3)
-    return [torch.randint(1, 97, (n,), generator=gen) for n in LENGTHS]
+    return random_documents(LENGTHS, seed=3)
 
 
 def _alone(dtype: torch.dtype | None) -> tuple[list[torch.Tensor], dict[str, torch.Tensor]]:
     """Each document alone through stock sdpa (fp32, or under autocast to ``dtype``): logits, grads
     of the summed next-token loss."""
-    model = tiny_model("llama", attn_implementation="sdpa")
-    logits, loss = [], 0.0
-    for d in _docs():
-        with torch.autocast("cpu", dtype=dtype or torch.bfloat16, enabled=dtype is not None):
-            out = model(d[None], use_cache=False).logits[0].float()
-        logits.append(out.detach())
-        loss = loss + torch.nn.functional.cross_entropy(out[:-1], d[1:], reduction="sum")
-    loss.backward()
-    return logits, {n: p.grad.clone() for n, p in model.named_parameters()}
+    alone = documents_alone("llama", _docs(), autocast=dtype, reduction="sum")
+    return alone.split(_docs()), alone.grads
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:

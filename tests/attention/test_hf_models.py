@@ -10,7 +10,7 @@ import torch
 import hf_blockdiag_cp
 from hf_blockdiag_cp import BlockDiagCPContext
 from hf_blockdiag_cp.attention.mask import BlockDiagMask
-from tests.reference import tiny_model
+from tests.reference import documents_alone, tiny_model
 
 LENGTHS = [7, 1, 12, 4, 9]  # 12 and 9 exceed the Qwen2 (5) and Mistral (6) sliding windows
 
@@ -18,15 +18,6 @@ LENGTHS = [7, 1, 12, 4, 9]  # 12 and 9 exceed the Qwen2 (5) and Mistral (6) slid
 def _docs(seed: int = 0) -> list[torch.Tensor]:
     gen = torch.Generator().manual_seed(seed)
     return [torch.randint(0, 97, (n,), generator=gen) for n in LENGTHS]
-
-
-def _reference(kind: str, docs: list[torch.Tensor], reference_impl: str):
-    """Logits of each document alone (stock attention) and the gradients of their summed loss."""
-    model = tiny_model(kind, attn_implementation=reference_impl)
-    logits = [model(d[None], use_cache=False).logits[0] for d in docs]
-    loss = sum(_loss(lg, d) for lg, d in zip(logits, docs))
-    loss.backward()
-    return torch.cat(logits).detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
 
 
 def _loss(logits: torch.Tensor, doc: torch.Tensor) -> torch.Tensor:
@@ -64,7 +55,7 @@ def _context_kwargs() -> dict:
 @pytest.mark.parametrize("source", ["cu_seq_lens", "position_ids", "cp_context"])
 def test_packed_equals_documents_alone(kind, reference_impl, source):
     docs = _docs()
-    ref_logits, ref_grads = _reference(kind, docs, reference_impl)
+    ref_logits, ref_grads = documents_alone(kind, docs, attn_implementation=reference_impl, reduction="sum")
     kwargs = {"cu_seq_lens": _cu_kwargs, "position_ids": lambda: dict(position_ids=_position_ids()),
               "cp_context": _context_kwargs}[source]()
     logits, grads = _packed_run(kind, docs, **kwargs)
@@ -109,7 +100,7 @@ def test_from_pretrained_with_blockdiag_cp(tmp_path):
     assert model.config._attn_implementation == "blockdiag_cp"
     docs = _docs()
     out = model(torch.cat(docs)[None], position_ids=_position_ids(), use_cache=False).logits[0]
-    ref = torch.cat([tiny_model("llama")(d[None], use_cache=False).logits[0] for d in docs])
+    ref = documents_alone("llama", docs, backward=False).logits
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=0)
 
 

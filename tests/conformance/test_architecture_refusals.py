@@ -18,6 +18,7 @@ import transformers
 import hf_blockdiag_cp as bd
 from hf_blockdiag_cp.model.detect import loss_refusal
 from tests.launch import run_ranks
+from tests.reference import documents_alone
 
 TINY = dict(vocab_size=97, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, max_position_embeddings=256, pad_token_id=0, bos_token_id=1, eos_token_id=2)
@@ -108,8 +109,8 @@ def test_layers_that_drop_cp_context_are_refused_on_every_rank_at_cp2():
 def test_layers_that_drop_cp_context_stay_exact_at_cp1(build):
     model = build()
     docs = _docs()
+    alone = documents_alone(model.config.model_type, docs, model, backward=False).logits
     with torch.no_grad():
-        alone = torch.cat([model(d[None], use_cache=False).logits[0] for d in docs])
         batch = _collated(model)
         packed = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"],
                        cp_context=batch["cp_context"], use_cache=False).logits[0, : sum(LENGTHS)]
@@ -170,7 +171,7 @@ def test_whisper_loss_that_ignores_shift_labels_is_refused():
     # Logits alone (the loss computed by the caller from shift_labels) are still served, exactly.
     with torch.no_grad():
         packed = model(input_ids=ids, position_ids=positions, use_cache=False).logits[0]
-        alone = torch.cat([model(d[None], use_cache=False).logits[0] for d in docs])
+    alone = documents_alone(model.config.model_type, docs, model, backward=False).logits
     torch.testing.assert_close(packed, alone, rtol=1e-4, atol=1e-5)
 
 

@@ -177,7 +177,7 @@ def test_cli_under_its_old_name_prints_one_line_without_transformers_warnings():
 
 def test_runtime_never_imports_the_conformance_tooling():
     """conformance/ (and its ``check`` shim) may import the runtime, never the other way round."""
-    from tests.package.test_layout import import_graph
+    from tests.package.import_graph import import_graph
 
     graph = import_graph()
     assert "data" in graph["conformance"], graph["conformance"]  # the walk sees the subpackage's imports

@@ -11,7 +11,7 @@ import torch
 from transformers import DataCollatorWithFlattening
 
 from hf_blockdiag_cp import PackingCollator, from_flattened
-from tests.reference import tiny_model
+from tests.reference import documents_alone, tiny_model
 
 SEQ_LEN = 48  # divisible by 2, 3 and 4
 
@@ -42,22 +42,17 @@ def pieces(doc: dict, seq_len: int) -> list[tuple[list[int], list[int], int]]:
     return [(ids[s:s + seq_len], labels[s:s + seq_len], s) for s in range(0, len(ids), seq_len)]
 
 
-@torch.no_grad()
 def piece_logits(model, ids: list[int], start: int) -> torch.Tensor:
-    pos = torch.arange(start, start + len(ids))[None]
-    return model(input_ids=torch.tensor([ids]), position_ids=pos, use_cache=False).logits[0].double()
+    """``[len(ids), V]`` float64 logits of one piece run alone at positions from ``start``."""
+    return documents_alone("llama", [torch.tensor(ids)], model, first_positions=[start], backward=False).logits.double()
 
 
 def reference_mean(model, docs: list[dict], seq_len: int) -> float:
     """Mean next-token loss of every piece run alone (targets inside the piece only)."""
-    total, count = 0.0, 0
-    for doc in docs:
-        for ids, labels, start in pieces(doc, seq_len):
-            logits = piece_logits(model, ids, start)
-            target = torch.tensor(labels[1:] + [-100])
-            total += float(torch.nn.functional.cross_entropy(logits, target, ignore_index=-100, reduction="sum"))
-            count += int((target != -100).sum())
-    return total / count
+    parts = [p for doc in docs for p in pieces(doc, seq_len)]
+    return documents_alone("llama", [torch.tensor(ids) for ids, _, _ in parts], model,
+                           labels=[torch.tensor(labels) for _, labels, _ in parts],
+                           first_positions=[start for _, _, start in parts], backward=False).loss
 
 
 DOCS = make_docs([17, 3, 40, 1, 25, 9, 60, 12, 30], masked=(2, 5))

@@ -81,38 +81,53 @@ def test_a_kernel_fault_on_one_rank_fails_every_rank_in_bounded_time():
     assert elapsed < 100
 
 
-def _mismatch_worker(rank: int, world: int) -> None:
-    import torch.distributed as dist
-
+def _mismatch_context(rank: int, world: int):
     from hf_blockdiag_cp import BlockDiagCPContext
-    from tests.reference import tiny_model
 
-    doc_ids, ids, pos, sl = _inputs(rank, world, seed=rank)  # each rank got different tokens
-    ctx = BlockDiagCPContext.build(doc_ids, placement="contiguous", cp_rank=rank, cp_size=world, group=dist.group.WORLD,
-                                   input_ids=ids)
-    tiny_model("llama", attn_implementation="blockdiag_cp")(ids[:, sl], position_ids=pos[:, sl], cp_context=ctx,
-                                                             use_cache=False)
+    doc_ids, ids, _, _ = _inputs(rank, world, seed=rank)  # each rank got different tokens
+    return BlockDiagCPContext.build(doc_ids, placement="contiguous", cp_rank=rank, cp_size=world, input_ids=ids)
 
 
-def _collated_mismatch_worker(rank: int, world: int) -> None:
+def _collated_mismatch_context(rank: int, world: int):
     import torch
-    import torch.distributed as dist
 
     import hf_blockdiag_cp as bd
-    from tests.reference import tiny_model
 
     # The same document lengths (the same layout) but other tokens on each rank, through the collator.
     gen = torch.Generator().manual_seed(100 + rank)
     docs = [{"input_ids": torch.randint(1, 97, (n,), generator=gen).tolist()} for n in (5, 11, 7)]
-    batch = bd.PackingCollator(24, group=dist.group.WORLD, pad_token_id=0)(docs)
-    tiny_model("llama", attn_implementation="blockdiag_cp")(**batch)
+    return bd.PackingCollator(24, cp_rank=rank, cp_size=world, pad_token_id=0)(docs)["cp_context"]
 
 
-@pytest.mark.parametrize("worker", [_mismatch_worker, _collated_mismatch_worker], ids=["context", "collator"])
-def test_ranks_with_different_data_all_raise_before_exchanging(worker):
-    outcome = run_ranks(worker, 2, timeout=120, expect_failure=True)
-    for status, message in outcome:
-        assert status == "error" and "AgreementError" in message and "different packed rows" in message, message
+@pytest.mark.parametrize("context", [_mismatch_context, _collated_mismatch_context], ids=["context", "collator"])
+def test_ranks_with_different_data_all_raise_before_exchanging(monkeypatch, context):
+    """The step's rank agreement in one process: each rank's call gets the other rank's row (recorded from that
+    rank's own call) from a faked collective, and must refuse."""
+    import datetime
+
+    import torch
+
+    import hf_blockdiag_cp.distributed.agreement as agreement
+    from tests.fake_collective import FAKE_GROUP, record_row, with_peers
+
+    world = 2
+
+    def agree(ctx):
+        return agreement.agree_on_backends(
+            frozenset({"sdpa_doc"}), ("sdpa_doc", "sdpa_mask"), data_fingerprint=ctx.data_fingerprint,
+            plan_fingerprint=ctx.plan_fingerprint, group=FAKE_GROUP, rank=ctx.cp_rank, size=ctx.cp_size,
+            timeout=datetime.timedelta(seconds=5), device=torch.device("cpu"))
+
+    contexts = [context(rank, world) for rank in range(world)]
+    rows = [record_row(monkeypatch, agreement, world, lambda c=ctx: agree(c)) for ctx in contexts]
+    with monkeypatch.context() as patch:  # the rule itself passes ranks that agree
+        with_peers(patch, agreement, 0, [None, rows[0][:3] + [1] + rows[0][4:]])
+        assert agree(contexts[0]) == {"sdpa_doc"}
+    for rank, ctx in enumerate(contexts):
+        with monkeypatch.context() as patch:
+            with_peers(patch, agreement, rank, [None if r == rank else row for r, row in enumerate(rows)])
+            with pytest.raises(agreement.AgreementError, match="different packed rows"):
+                agree(ctx)
 
 
 def _sync_worker(rank: int, world: int) -> list[list[str]]:

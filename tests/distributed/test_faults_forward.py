@@ -21,8 +21,8 @@ from unittest import mock
 
 import pytest
 
-from tests.distributed import test_faults as harness
-from tests.distributed.test_faults import FAULTY, LENGTHS, TIMEOUT_S, _row, _survivors_raise
+from tests.distributed import fault_harness as harness
+from tests.distributed.fault_harness import FAULTY, LENGTHS, TIMEOUT_S, _row, _survivors_raise
 from tests.launch import run_ranks
 
 pytestmark = pytest.mark.distributed

@@ -14,7 +14,7 @@ import torch
 import hf_blockdiag_cp as bd
 from hf_blockdiag_cp.distributed.groups import group_options
 from tests.launch import run_ranks
-from tests.reference import tiny_model
+from tests.reference import documents_alone, tiny_model
 
 # ---- item 3: position ids are part of a CP step -------------------------------------------------------
 
@@ -149,7 +149,7 @@ def test_ids_outside_the_vocabulary_raise_naming_the_example_and_field():
 def _documents_alone(reference: torch.nn.Module, docs: list[torch.Tensor], ctx) -> torch.Tensor:
     """``[L, V]`` logits of this rank's rows, each document run alone through ``reference`` (documents of
     distinct lengths, laid out in the packed row's order)."""
-    logits = {len(d): reference(d[None], use_cache=False).logits[0] for d in docs}
+    logits = dict(zip([len(d) for d in docs], documents_alone("llama", docs, reference, backward=False).split(docs)))
     ids = ctx.doc_ids[0]
     order = [int((ids == i).sum()) for i in torch.unique_consecutive(ids) if i != 0]
     return torch.cat([logits[n] for n in order])[ctx.local_index]
@@ -260,12 +260,9 @@ def _mla_worker(rank: int, world: int) -> None:
     import torch.distributed as dist
 
     docs = [torch.randint(0, 97, (n,), generator=torch.Generator().manual_seed(n)) for n in MLA_LENGTHS]
-    count = sum(len(d) - 1 for d in docs)
     # Reference: each document alone through the stock model (sdpa), loss = mean over all targets.
     reference = _mla_model("sdpa")
-    ref_loss = sum(torch.nn.functional.cross_entropy(reference(d[None], use_cache=False).logits[0, :-1], d[1:],
-                                                     reduction="sum") for d in docs) / count
-    ref_loss.backward()
+    documents_alone("mla", docs, reference)  # the gradients land on reference's parameters
 
     mesh = bd.init_device_mesh(world)
     batch = bd.PackingCollator(48, group=mesh["cp"], pad_token_id=0)([{"input_ids": d.tolist()} for d in docs])

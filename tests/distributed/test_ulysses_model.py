@@ -48,14 +48,9 @@ def _docs(lengths: list[int]):
 
 def _alone(kind: str, docs) -> tuple:
     """Reference: each document alone through stock sdpa: ``(logits [T, V] in row order, grads)``."""
-    import torch
+    from tests.reference import documents_alone
 
-    model = _model(kind, "sdpa")
-    count = sum(len(d) - 1 for d in docs)
-    logits = [model(d[None], use_cache=False).logits[0] for d in docs]
-    loss = sum(torch.nn.functional.cross_entropy(lg[:-1], d[1:], reduction="sum") for lg, d in zip(logits, docs))
-    (loss / count).backward()
-    return torch.cat(logits).detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+    return tuple(documents_alone(kind, docs, _model(kind, "sdpa")))
 
 
 def _collator(model, world: int, ulysses_size, placement: str, groups):

@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from hf_blockdiag_cp import blockdiag_attention
 from tests.layouts import runs
+from tests.reference import attention_documents_alone
 
 # (doc_ids over S, row_offset, L): documents 2 and 3 straddle the offset in the second layout.
 LAYOUTS = {
@@ -37,26 +37,6 @@ def _poison(k: torch.Tensor, v: torch.Tensor, doc: torch.Tensor, where: str, val
     return k, v
 
 
-def _alone(q, k, v, doc, offset):
-    """Each document alone through plain causal SDPA (float64): ``[1, Hq, L, D]`` for the local rows."""
-    out = torch.zeros_like(q)
-    rows = torch.arange(offset, offset + q.shape[2])
-    for d in doc.unique().tolist():
-        keys = torch.nonzero(doc == d).flatten()
-        local = torch.nonzero(doc[rows] == d).flatten()
-        if not local.numel():
-            continue
-        n = local.numel()
-        kd = k[:, :, keys[0]: offset + int(local[-1]) + 1]
-        vd = v[:, :, keys[0]: offset + int(local[-1]) + 1]
-        qd = q[:, :, local]
-        # bottom-right causal: the n local queries are the last n of the document's keys so far
-        prefix = kd.shape[2] - n
-        mask = torch.arange(kd.shape[2])[None, :] <= (prefix + torch.arange(n))[:, None]
-        out[:, :, local] = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=mask, enable_gqa=True)
-    return out
-
-
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
 @pytest.mark.parametrize("where,value", [("k", float("nan")), ("v", float("nan")), ("k", float("inf")),
                                          ("v", float("-inf"))])
@@ -72,7 +52,7 @@ def test_non_finite_value_stays_in_its_document(layout, where, value):
         # A loss over the other documents only: their gradients must be finite and agree.
         out[:, :, clean].square().sum().backward()
         outs[backend] = (out.detach(), qg.grad, kg.grad, vg.grad)
-    reference = _alone(q, k, v, doc, offset)
+    reference = attention_documents_alone(q, k, v, doc, offset)
     mask_out, doc_out = outs["sdpa_mask"][0], outs["sdpa_doc"][0]
     assert torch.isfinite(mask_out[:, :, clean]).all()
     torch.testing.assert_close(mask_out[:, :, clean], reference[:, :, clean], atol=1e-12, rtol=0)

@@ -15,7 +15,7 @@ from transformers import GPT2Config, GPT2LMHeadModel, PreTrainedModel
 import hf_blockdiag_cp as bd
 from hf_blockdiag_cp import integration as transformers_patches
 from hf_blockdiag_cp.model import UnsupportedModel, package_hooks, prepare, prepare_model, unprepare_model
-from tests.reference import tiny_model
+from tests.reference import documents_alone, tiny_model
 
 LENGTHS = (7, 3, 11, 5)  # one packed row of 26 tokens, no padding
 
@@ -61,8 +61,7 @@ def _tree_hooks(model: torch.nn.Module) -> dict[str, tuple[int, int]]:
 def test_guarded_gpt2_packed_without_position_ids_equals_documents_alone(reference_impl):
     docs = _docs()
     reference = _gpt2(reference_impl)
-    ref_logits = torch.cat([reference(d[None], use_cache=False).logits[0] for d in docs])
-    _summed_loss(ref_logits, docs).backward()
+    ref_logits, ref_grads = documents_alone("gpt2", docs, reference, reduction="sum")
 
     model = bd.guard_model(_gpt2("blockdiag_cp"))  # prepared at construction, then guarded: the buggy order
     assert _tree_hooks(model) == {"": (1, 1)}
@@ -70,7 +69,6 @@ def test_guarded_gpt2_packed_without_position_ids_equals_documents_alone(referen
     _summed_loss(logits, docs).backward()
 
     torch.testing.assert_close(logits.detach(), ref_logits.detach(), atol=1e-5, rtol=0)
-    ref_grads = {n: p.grad for n, p in reference.named_parameters()}
     for name, param in model.named_parameters():
         torch.testing.assert_close(param.grad, ref_grads[name], atol=1e-5, rtol=0, msg=lambda m, n=name: f"{n}: {m}")
 
@@ -144,7 +142,7 @@ def test_a_guarded_wrapper_fills_before_the_wrapped_model_refuses_and_leaves_its
     assert _tree_hooks(wrapper) == {"": (1, 1), "inner": (1, 1)}
     logits = wrapper(**_packed_without_positions(docs), use_cache=False).logits[0]
     reference = _gpt2("eager")
-    expected = torch.cat([reference(d[None], use_cache=False).logits[0] for d in docs])
+    expected = documents_alone("gpt2", docs, reference, backward=False).logits
     torch.testing.assert_close(logits, expected, atol=1e-5, rtol=0)
     with pytest.raises(UnsupportedModel, match="absolute position embeddings"):  # unwrapped: refuses again
         inner(**_packed_without_positions(docs), use_cache=False)
@@ -218,4 +216,4 @@ def test_one_definition_of_the_attention_name_and_one_reader_of_the_models_imple
             if isinstance(node, ast.Constant) and node.value == "_attn_implementation":  # getattr(config, "...")
                 readers.append(str(path.relative_to(package)))
     assert assignments == ["config.py"], assignments
-    assert set(readers) == {"model/detect.py"}, readers
+    assert set(readers) == {"compat.py"}, readers

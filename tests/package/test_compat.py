@@ -143,7 +143,55 @@ def test_trainer_builds_every_loader_through_get_dataloader(tmp_path):
     assert [d.lower() for d in seen] == ["training", "evaluation", "test"]
 
 
-# ---- accelerate (training/trainer.py) ----------------------------------------------------------------------
+def test_cached_eval_dataloader_is_the_one_the_trainer_reuses(tmp_path):
+    """``get_eval_dataloader`` returns the loader cache_eval_dataloader stored (persistent workers), not a new one."""
+    from transformers import Trainer, TrainingArguments
+
+    from tests.reference import tiny_model
+
+    rows = [{"input_ids": torch.arange(1, 5), "labels": torch.arange(1, 5)}] * 2
+    args = TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to=[], dataloader_num_workers=1,
+                             dataloader_persistent_workers=True)
+    trainer = Trainer(model=tiny_model("llama"), eval_dataset=rows, args=args)
+    cached = object()
+    compat.cache_eval_dataloader(trainer, "eval", cached)
+    assert trainer.get_eval_dataloader() is cached
+
+
+# ---- TRL SFTTrainer (training/trl.py) ----------------------------------------------------------------------
+
+def test_sft_trainer_has_the_private_method_cpsfttrainer_overrides():
+    trl = pytest.importorskip("trl")
+
+    compat.check_sft_trainer_internals(trl.SFTTrainer)
+
+    class Renamed:  # an upgrade that renames it (or changes its parameters) must fail here, not train silently
+        def _prepare_dataset(self, dataset, tokenizer, args, packing, formatting_func, dataset_name):
+            return dataset
+
+    with pytest.raises(ImportError, match=r"trl.SFTTrainer._prepare_dataset.*CPSFTTrainer"):
+        compat.check_sft_trainer_internals(Renamed)
+    with pytest.raises(ImportError, match="_prepare_dataset"):
+        compat.check_sft_trainer_internals(object)
+
+
+# ---- accelerate (training/trainer.py, data/sharding.py) -----------------------------------------------------
+
+def test_accelerate_dispatching_processes_sees_the_active_dispatcher():
+    """0 outside a dispatcher's iteration; inside one (one process here), its process count."""
+    from accelerate import Accelerator, DataLoaderConfiguration
+
+    class Stream(torch.utils.data.IterableDataset):
+        def __iter__(self):
+            return iter([torch.ones(2)] * 2)
+
+    accelerator = Accelerator(cpu=True, dataloader_config=DataLoaderConfiguration(dispatch_batches=True))
+    loader = accelerator.prepare(torch.utils.data.DataLoader(Stream(), batch_size=1))
+    assert compat.accelerate_dispatching_processes() == 0
+    seen = [compat.accelerate_dispatching_processes() for _ in loader]
+    assert seen == [1, 1], seen
+    assert compat.accelerate_dispatching_processes() == 0  # the iteration ended: no active loader
+
 
 def test_accelerate_prepared_mark_and_models_list_are_undone():
     from accelerate import Accelerator
@@ -189,6 +237,16 @@ def test_can_set_attn_implementation_is_transformers_heuristic():
 
     assert compat.can_set_attn_implementation(type(tiny_model("llama"))) is True
     assert compat.can_set_attn_implementation(object) is None
+
+
+def test_config_attn_implementation_reads_what_set_attn_implementation_wrote():
+    from tests.reference import tiny_model
+
+    model = tiny_model("llama", attn_implementation="eager")
+    assert compat.config_attn_implementation(model.config) == "eager"
+    model.set_attn_implementation("sdpa")
+    assert compat.config_attn_implementation(model.config) == "sdpa"
+    assert compat.config_attn_implementation(None) is None
 
 
 def test_model_from_config_builds_a_model_of_the_given_class():

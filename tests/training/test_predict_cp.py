@@ -52,17 +52,17 @@ def _sft_predict(mesh, tmp: str, preprocess) -> dict:
 
     import hf_blockdiag_cp as bd
     from hf_blockdiag_cp.training.trl import CPSFTTrainer
-    from tests.training import test_trl_cp
+    from tests.training import trl_setup
 
-    model, tokenizer, examples = test_trl_cp._setup("text")
+    model, tokenizer, examples = trl_setup.setup("text")
     seen: list = []
-    trainer = CPSFTTrainer(model=model, args=test_trl_cp._sft_args(tmp), processing_class=tokenizer, mesh=mesh,
+    trainer = CPSFTTrainer(model=model, args=trl_setup.sft_args(tmp), processing_class=tokenizer, mesh=mesh,
                            train_dataset=datasets.Dataset.from_list(examples[:2]),
                            eval_dataset=datasets.Dataset.from_list(examples), preprocess_logits_for_metrics=preprocess,
                            compute_metrics=lambda p: seen.append((np.array(p.predictions), np.array(p.label_ids)))
                            or {})
     result = trainer.predict(trainer.eval_dataset)
-    collator = bd.PackingCollator(test_trl_cp.SEQ_LEN, pad_token_id=tokenizer.pad_token_id)
+    collator = bd.PackingCollator(trl_setup.SEQ_LEN, pad_token_id=tokenizer.pad_token_id)
     ids, labels = [], []
     with torch.no_grad():
         for row in trainer.eval_dataset.rows:
@@ -76,10 +76,9 @@ def _sft_predict(mesh, tmp: str, preprocess) -> dict:
 
 def _predict_worker(rank: int, world: int, tmp: str) -> dict:
     import numpy as np
-    import torch
 
     import hf_blockdiag_cp as bd
-    from tests.reference import tiny_model
+    from tests.reference import documents_alone, tiny_model
 
     mesh = bd.init_device_mesh(world)
     examples = [{"input_ids": d.tolist()} for d in _documents()]
@@ -120,9 +119,8 @@ def _predict_worker(rank: int, world: int, tmp: str) -> dict:
 
     out["sft"] = _sft_predict(mesh, tmp, lambda logits, labels: logits.argmax(-1))
     out["reference"] = _one_process_rows(model, examples)
-    alone = tiny_model("llama", attn_implementation="sdpa")
-    with torch.no_grad():
-        out["alone"] = [alone(d[None], use_cache=False).logits[0].numpy() for d in _documents()]
+    alone = documents_alone("llama", _documents(), backward=False)
+    out["alone"] = [lg.numpy() for lg in alone.split(_documents())]
     return out
 
 

@@ -31,18 +31,11 @@ def reference_step() -> tuple[dict, dict, float]:
 def reference_eval_loss() -> float:
     """The Trainer's eval_loss definition (mean over eval steps of each step's token mean), computed with every
     document run alone through stock sdpa; an eval step is one row of four documents here."""
-    import torch
-
-    from tests.reference import tiny_model
+    from tests.reference import documents_alone, tiny_model
 
     model = tiny_model("llama", attn_implementation="sdpa")
     docs = documents()
-    means = []
-    with torch.no_grad():
-        for row in (docs[:4], docs[4:]):
-            total = sum(torch.nn.functional.cross_entropy(model(d[None], use_cache=False).logits[0, :-1], d[1:],
-                                                          reduction="sum") for d in row)
-            means.append(float(total) / sum(len(d) - 1 for d in row))
+    means = [documents_alone("llama", row, model, backward=False).loss for row in (docs[:4], docs[4:])]
     return sum(means) / len(means)
 
 
