@@ -56,6 +56,8 @@ from .detect import (
     uses_blockdiag_cp,
 )
 from .forward_agreement import agree_forward
+from ..recurrent.install import install_recurrent, uninstall_recurrent
+from ..recurrent.runs import local_runs
 
 __all__ = ["PROBE_ATTR", "ForwardProbe", "Preparation", "check_context_reached", "mark_attention_call", "package_hooks", "prepare_model",
            "unprepare_model"]
@@ -79,6 +81,10 @@ class ForwardProbe:
         padding_refusal: ``(token id, why)`` when that token as row padding would make the gradients NaN.
         cp_context: the ``cp_context`` (CP > 1) of the forward in progress, set by the pre-hook and cleared by
             the post-hook; every attention call inside that forward must receive it.
+        recurrent_mixers: recurrent mixers served per document fragment (:mod:`hf_blockdiag_cp.recurrent`).
+        runs: the :class:`~hf_blockdiag_cp.recurrent.runs.LocalRuns` of the latest forward with packed rows or a
+            ``cp_context`` (``None``: one document per row), set by the pre-hook of every forward and kept after
+            it, so that an activation-checkpoint recompute during backward reads the same fragments.
     """
 
     model_type: str
@@ -89,6 +95,8 @@ class ForwardProbe:
     loss_refusal: str | None = None
     padding_refusal: tuple[int, str] | None = None
     cp_context: Any = None
+    recurrent_mixers: int = 0
+    runs: Any = None
 
 
 @dataclass(eq=False)
@@ -149,6 +157,7 @@ def prepare_model(model: torch.nn.Module, *, strict: bool = False) -> torch.nn.M
     probe.padding_refusal = padding_refusal(model)
     for sub in model.modules():
         sub.__dict__[PROBE_ATTR] = probe
+    probe.recurrent_mixers = install_recurrent(model, lambda: probe.runs, lambda: mark_attention_call(model))
     if isinstance(model, PreTrainedModel) and uses_blockdiag_cp(model):  # its pair refuses for its nested models
         for sub in list(model.modules())[1:]:
             nested = sub.__dict__.pop(PREPARATION_ATTR, None)
@@ -175,6 +184,7 @@ def unprepare_model(model: torch.nn.Module) -> torch.nn.Module:
         if preparation is not None:
             _remove(preparation)
         sub.__dict__.pop(PROBE_ATTR, None)
+    uninstall_recurrent(model)
     return model
 
 
@@ -207,6 +217,9 @@ def _pre_forward(module: torch.nn.Module, args: tuple,
         ctx = kwargs.get("cp_context")
         probe.cp_context = ctx if getattr(ctx, "cp_size", 1) > 1 else None
         _refuse(module, probe, args, kwargs)
+        if probe.recurrent_mixers and not any(key != id(module) for key in probe.starts):
+            named = arguments(module, args, kwargs)
+            probe.runs = local_runs(named, packing(named) is not None)
         if not any(key != id(module) for key in probe.starts):  # the outermost prepared module of the forward
             try:
                 agree_forward(module, arguments(module, args, kwargs))
