@@ -23,25 +23,30 @@ def _activate(y: torch.Tensor, activation: str | None) -> torch.Tensor:
     raise NotImplementedError(f"causal_conv1d activation={activation!r}: supported are {ACTIVATIONS}")
 
 
-def _extended_index(seq_lens: list[int], width: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor,
+def _boundary_index(seq_lens: list[int], width: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor,
                                                                                    torch.Tensor]:
-    """Rows of ``cat([x (T), state rows (N * (K-1))])`` laid out as ``[state_s, x_s]`` per sequence.
+    """Indices into ``cat([x (T rows), state rows (N * (K-1))])`` for the tokens whose window reaches back past
+    their sequence start (the first K-1 of each sequence).
 
-    Returns (ext_idx [T + N*(K-1)], out_idx [T]: the valid-conv output position of each token,
-    last_idx [N, K-1]: the ext positions of each sequence's last K-1 inputs).
+    Returns (tokens [M], windows [M, K]: the row each tap of those tokens reads, oldest first,
+    last [N, K-1]: the rows of each sequence's last K-1 inputs, i.e. its final state).
     """
     total = sum(seq_lens)
-    ext, out, last = [], [], []
+    tokens, windows, last = [], [], []
     start = 0
     for s, n in enumerate(seq_lens):
-        base = len(ext)
-        ext.extend(range(total + s * (width - 1), total + (s + 1) * (width - 1)))
-        ext.extend(range(start, start + n))
-        out.extend(range(base, base + n))  # valid conv output i reads ext[i .. i + K - 1]
-        last.append(list(range(base + n, base + n + width - 1)))
+        state_base = total + s * (width - 1)
+
+        def row(q: int) -> int:  # q: position in the sequence, negative = inside the incoming state
+            return start + q if q >= 0 else state_base + (width - 1) + q
+
+        for p in range(min(n, width - 1)):
+            tokens.append(start + p)
+            windows.append([row(p - (width - 1) + k) for k in range(width)])
+        last.append([row(n - (width - 1) + k) for k in range(width - 1)])
         start += n
     as_t = lambda v: torch.tensor(v, dtype=torch.long).to(device)  # noqa: E731
-    return as_t(ext), as_t(out), as_t(last).view(len(seq_lens), width - 1)
+    return as_t(tokens), as_t(windows).view(-1, width), as_t(last).view(len(seq_lens), width - 1)
 
 
 def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
@@ -53,6 +58,9 @@ def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     x: [B, T, C] channels last; weight: [C, K]; bias: [C]; initial_state: [N, C, K-1] (N = B, or the number of
     sequences in ``cu_seqlens`` when B == 1). Computed in fp32 (fp64 for fp64 inputs); returns
     (y [B, T, C] in x's dtype, final_state [N, C, K-1] or None).
+
+    One convolution over the whole row (as the unpacked fallback does), then the first K-1 outputs of each
+    sequence, whose windows reached into the previous sequence, are recomputed from the sequence's own state.
     """
     batch, length, channels = x.shape
     width = weight.shape[-1]
@@ -62,8 +70,10 @@ def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     dtype = compute_dtype(x, weight, initial_state)
     x_TC = x.reshape(batch * length, channels).to(dtype)
     n_seq = len(lens)
+    w = weight.to(dtype)
+    b = None if bias is None else bias.to(dtype)
     if width == 1:  # no window, no state
-        y = x_TC * weight[:, 0].to(dtype) + (0 if bias is None else bias.to(dtype))
+        y = x_TC * w[:, 0] + (0 if b is None else b)
         fs = x.new_zeros((n_seq, channels, 0), dtype=torch.float32) if output_final_state else None
         return _activate(y, activation).to(x.dtype).view(batch, length, channels), fs
     if initial_state is None:
@@ -73,18 +83,21 @@ def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
             raise ValueError(f"initial_state must be [N={n_seq}, C={channels}, K-1={width - 1}], "
                              f"got {tuple(initial_state.shape)}")
         state_rows = initial_state.to(dtype).transpose(1, 2).reshape(n_seq * (width - 1), channels)
-    ext_idx, out_idx, last_idx = _extended_index(lens, width, x.device)
-    ext_EC = torch.cat([x_TC, state_rows], dim=0).index_select(0, ext_idx)
-    w = weight.to(dtype).unsqueeze(1)  # [C, 1, K]
-    if batch * length:
-        y_CE = F.conv1d(ext_EC.t().unsqueeze(0), w, None if bias is None else bias.to(dtype), groups=channels)[0]
-        y_TC = y_CE.t().index_select(0, out_idx)
+    tokens, windows, last = _boundary_index(lens, width, x.device)
+    rows = torch.cat([x_TC, state_rows], dim=0)  # [T + N*(K-1), C]
+    if len(x_TC):
+        y_CT = F.conv1d(x_TC.t().unsqueeze(0), w.unsqueeze(1), b, padding=width - 1, groups=channels)[0, :, :len(x_TC)]
     else:  # only empty sequences: nothing to convolve, the states pass through
-        y_TC = x_TC
-    y = _activate(y_TC, activation).to(x.dtype).view(batch, length, channels)
+        y_CT = x_TC.t()
+    if tokens.numel():
+        fixed = torch.einsum("mkc,ck->mc", rows[windows], w)  # [M, C]
+        y_TC = y_CT.t().index_put((tokens,), fixed if b is None else fixed + b)
+    else:
+        y_TC = y_CT.t()
+    y = _activate(y_TC, activation).to(x.dtype).reshape(batch, length, channels)
     final = None
     if output_final_state:
-        final = ext_EC.index_select(0, last_idx.view(-1)).view(n_seq, width - 1, channels).transpose(1, 2)
+        final = rows[last.view(-1)].view(n_seq, width - 1, channels).transpose(1, 2)
         final = final.to(torch.promote_types(dtype, torch.float32)).contiguous()
     return y, final
 
