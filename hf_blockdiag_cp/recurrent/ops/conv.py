@@ -49,10 +49,18 @@ def _boundary_index(seq_lens: list[int], width: int, device: torch.device) -> tu
     return as_t(tokens), as_t(windows).view(-1, width), as_t(last).view(len(seq_lens), width - 1)
 
 
+def torch_row_conv(x_TC: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """Pre-activation causal depthwise conv of one row as ONE sequence: [T, C] -> [T, C] (any strides)."""
+    width = weight.shape[-1]
+    out = F.conv1d(x_TC.t().unsqueeze(0), weight.unsqueeze(1), bias, padding=width - 1, groups=x_TC.shape[1])
+    return out[0, :, :len(x_TC)].t()
+
+
 def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
                   activation: str | None = None, *, initial_state: torch.Tensor | None = None,
                   output_final_state: bool = False, cu_seqlens: torch.Tensor | None = None,
-                  seq_lens_host: list[int] | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+                  seq_lens_host: list[int] | None = None,
+                  row_conv=torch_row_conv) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Depthwise causal conv restarted at each sequence start.
 
     x: [B, T, C] channels last; weight: [C, K]; bias: [C]; initial_state: [N, C, K-1] (N = B, or the number of
@@ -61,6 +69,8 @@ def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
 
     One convolution over the whole row (as the unpacked fallback does), then the first K-1 outputs of each
     sequence, whose windows reached into the previous sequence, are recomputed from the sequence's own state.
+    ``row_conv(x [T, C], weight [C, K], bias) -> [T, C]`` does the row convolution (a GPU library's kernel in
+    :mod:`.adapters`).
     """
     batch, length, channels = x.shape
     width = weight.shape[-1]
@@ -85,15 +95,11 @@ def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
         state_rows = initial_state.to(dtype).transpose(1, 2).reshape(n_seq * (width - 1), channels)
     tokens, windows, last = _boundary_index(lens, width, x.device)
     rows = torch.cat([x_TC, state_rows], dim=0)  # [T + N*(K-1), C]
-    if len(x_TC):
-        y_CT = F.conv1d(x_TC.t().unsqueeze(0), w.unsqueeze(1), b, padding=width - 1, groups=channels)[0, :, :len(x_TC)]
-    else:  # only empty sequences: nothing to convolve, the states pass through
-        y_CT = x_TC.t()
+    # only empty sequences: nothing to convolve, the states pass through
+    y_TC = row_conv(x_TC, w, b) if len(x_TC) else x_TC
     if tokens.numel():
         fixed = torch.einsum("mkc,ck->mc", rows[windows], w)  # [M, C]
-        y_TC = y_CT.t().index_put((tokens,), fixed if b is None else fixed + b)
-    else:
-        y_TC = y_CT.t()
+        y_TC = y_TC.index_put((tokens,), fixed if b is None else fixed + b)
     y = _activate(y_TC, activation).to(x.dtype).reshape(batch, length, channels)
     final = None
     if output_final_state:
