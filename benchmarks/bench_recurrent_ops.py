@@ -78,8 +78,9 @@ def _theirs(op: str, t: dict):
     from transformers.models.kimi_linear import modeling_kimi_linear
     from transformers.models.mamba import modeling_mamba
     from transformers.models.qwen3_next import modeling_qwen3_next
-    if op == "conv":
-        return modeling_qwen3_next.causal_conv1d_fn(t["x"].transpose(1, 2), t["w"], t["b"], activation="silu"), None
+    if op == "conv":  # channels first in and out, transposed back as the layers do (`mixed_qkv.transpose(1, 2)`)
+        y = modeling_qwen3_next.causal_conv1d_fn(t["x"].transpose(1, 2), t["w"], t["b"], activation="silu")
+        return y.transpose(1, 2), None
     if op == "ssd":
         return modeling_bamba.mamba2_chunk_scan(t["x"], t["dt"], t["A"], t["B"], t["C"], chunk_size=256, D=t["D"],
                                                 dt_bias=t["dt_bias"], dt_softplus=True, return_final_states=True)

@@ -100,10 +100,9 @@ def causal_conv1d_unavailable_reason(x: torch.Tensor, weight: torch.Tensor, acti
     return _device_dtype("causal-conv1d", x) or _missing("causal_conv1d", "causal-conv1d")
 
 
-def _library_row_conv(x_TC: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+def _library_row_conv(x_CT: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     from causal_conv1d import causal_conv1d_fn
-    out = causal_conv1d_fn(x_TC.t().unsqueeze(0), weight, bias, activation=None)  # [1, C, T] -> [T, C]
-    return out[0].t()
+    return causal_conv1d_fn(x_CT.unsqueeze(0), weight, bias, activation=None)[0]  # [1, C, T] -> [C, T]
 
 
 def cc_causal_conv1d(x, weight, bias=None, activation=None, *, initial_state=None, output_final_state=False,

@@ -23,37 +23,40 @@ def _activate(y: torch.Tensor, activation: str | None) -> torch.Tensor:
     raise NotImplementedError(f"causal_conv1d activation={activation!r}: supported are {ACTIVATIONS}")
 
 
-def _boundary_index(seq_lens: list[int], width: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor,
-                                                                                   torch.Tensor]:
-    """Indices into ``cat([x (T rows), state rows (N * (K-1))])`` for the tokens whose window reaches back past
-    their sequence start (the first K-1 of each sequence).
+def _boundary_index(seq_lens: list[int], width: int,
+                    device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Where the tokens whose window reaches back past their sequence start (the first K-1 of each sequence) and
+    the final windows read from, as rows of ``small = cat([x[x_rows], state rows (N * (K-1))])``.
 
-    Returns (tokens [M], windows [M, K]: the row each tap of those tokens reads, oldest first,
-    last [N, K-1]: the rows of each sequence's last K-1 inputs, i.e. its final state).
+    Returns (tokens [M], windows [M, K]: the small row each tap of those tokens reads, oldest first,
+    last [N, K-1]: the small rows of each sequence's last K-1 inputs (its final state), x_rows [R]).
     """
-    total = sum(seq_lens)
-    tokens, windows, last = [], [], []
+    x_rows: dict[int, int] = {}  # packed row -> position in small
+    tokens, windows, last, refs = [], [], [], []
     start = 0
     for s, n in enumerate(seq_lens):
-        state_base = total + s * (width - 1)
-
-        def row(q: int) -> int:  # q: position in the sequence, negative = inside the incoming state
-            return start + q if q >= 0 else state_base + (width - 1) + q
+        def ref(q: int) -> tuple[bool, int]:  # q: position in the sequence, negative = inside the incoming state
+            if q >= 0:
+                return True, x_rows.setdefault(start + q, len(x_rows))
+            return False, s * (width - 1) + width - 1 + q
 
         for p in range(min(n, width - 1)):
             tokens.append(start + p)
-            windows.append([row(p - (width - 1) + k) for k in range(width)])
-        last.append([row(n - (width - 1) + k) for k in range(width - 1)])
+            windows.append([ref(p - (width - 1) + k) for k in range(width)])
+        last.append([ref(n - (width - 1) + k) for k in range(width - 1)])
         start += n
+    n_x = len(x_rows)
+    resolve = lambda rs: [i if is_x else n_x + i for is_x, i in rs]  # noqa: E731
     as_t = lambda v: torch.tensor(v, dtype=torch.long).to(device)  # noqa: E731
-    return as_t(tokens), as_t(windows).view(-1, width), as_t(last).view(len(seq_lens), width - 1)
+    return (as_t(tokens), as_t([resolve(w) for w in windows]).view(-1, width),
+            as_t([resolve(w) for w in last]).view(len(seq_lens), width - 1), as_t(list(x_rows)))
 
 
-def torch_row_conv(x_TC: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """Pre-activation causal depthwise conv of one row as ONE sequence: [T, C] -> [T, C] (any strides)."""
+def torch_row_conv(x_CT: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """Pre-activation causal depthwise conv of one row as ONE sequence: [C, T] -> [C, T]."""
     width = weight.shape[-1]
-    out = F.conv1d(x_TC.t().unsqueeze(0), weight.unsqueeze(1), bias, padding=width - 1, groups=x_TC.shape[1])
-    return out[0, :, :len(x_TC)].t()
+    out = F.conv1d(x_CT.unsqueeze(0), weight.unsqueeze(1), bias, padding=width - 1, groups=x_CT.shape[0])
+    return out[0, :, :x_CT.shape[1]]
 
 
 def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
@@ -65,17 +68,20 @@ def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
 
     x: [B, T, C] channels last; weight: [C, K]; bias: [C]; initial_state: [N, C, K-1] (N = B, or the number of
     sequences in ``cu_seqlens`` when B == 1). Computed in fp32 (fp64 for fp64 inputs); returns
-    (y [B, T, C] in x's dtype, final_state [N, C, K-1] or None).
+    (y [B, T, C] in x's dtype, a channels-first strided view like the models' own ``transpose``;
+    final_state [N, C, K-1] or None).
 
     One convolution over the whole row (as the unpacked fallback does), then the first K-1 outputs of each
     sequence, whose windows reached into the previous sequence, are recomputed from the sequence's own state.
-    ``row_conv(x [T, C], weight [C, K], bias) -> [T, C]`` does the row convolution (a GPU library's kernel in
+    ``row_conv(x [C, T], weight [C, K], bias) -> [C, T]`` does the row convolution (a GPU library's kernel in
     :mod:`.adapters`).
     """
     batch, length, channels = x.shape
     width = weight.shape[-1]
     if weight.shape != (channels, width):
         raise ValueError(f"weight must be [C={channels}, K], got {tuple(weight.shape)}")
+    if activation not in ACTIVATIONS:
+        raise NotImplementedError(f"causal_conv1d activation={activation!r}: supported are {ACTIVATIONS}")
     lens = seq_lens_of(cu_seqlens, seq_lens_host, batch, length)
     dtype = compute_dtype(x, weight, initial_state)
     x_TC = x.reshape(batch * length, channels).to(dtype)
@@ -93,17 +99,17 @@ def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
             raise ValueError(f"initial_state must be [N={n_seq}, C={channels}, K-1={width - 1}], "
                              f"got {tuple(initial_state.shape)}")
         state_rows = initial_state.to(dtype).transpose(1, 2).reshape(n_seq * (width - 1), channels)
-    tokens, windows, last = _boundary_index(lens, width, x.device)
-    rows = torch.cat([x_TC, state_rows], dim=0)  # [T + N*(K-1), C]
+    tokens, windows, last, x_rows = _boundary_index(lens, width, x.device)
+    small = torch.cat([x_TC.index_select(0, x_rows), state_rows], dim=0)  # the few rows the boundaries read
     # only empty sequences: nothing to convolve, the states pass through
-    y_TC = row_conv(x_TC, w, b) if len(x_TC) else x_TC
+    y_CT = row_conv(x_TC.t(), w, b) if len(x_TC) else x_TC.t()
     if tokens.numel():
-        fixed = torch.einsum("mkc,ck->mc", rows[windows], w)  # [M, C]
-        y_TC = y_TC.index_put((tokens,), fixed if b is None else fixed + b)
-    y = _activate(y_TC, activation).to(x.dtype).reshape(batch, length, channels)
+        fixed = torch.einsum("mkc,ck->cm", small[windows], w)  # [C, M]
+        y_CT = y_CT.index_copy(1, tokens, fixed if b is None else fixed + b[:, None])
+    y = _activate(y_CT, activation).to(x.dtype).t().reshape(batch, length, channels)
     final = None
     if output_final_state:
-        final = rows[last.view(-1)].view(n_seq, width - 1, channels).transpose(1, 2)
+        final = small[last.view(-1)].view(n_seq, width - 1, channels).transpose(1, 2)
         final = final.to(torch.promote_types(dtype, torch.float32)).contiguous()
     return y, final
 
