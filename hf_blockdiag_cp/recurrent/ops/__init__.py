@@ -16,7 +16,17 @@ from .delta_rule import (chunk_gated_delta_rule, chunk_kda, delta_rule_reference
 from .selective_scan import selective_scan, selective_scan_reference, selective_scan_transition
 from .ssd import ssd_chunk_scan, ssd_chunk_scan_reference, ssd_transition
 
+# the pure-PyTorch op per name; adapters.LIBRARY_OPS has the GPU-library op under the same names
+TORCH_OPS = {
+    "causal_conv1d": causal_conv1d,
+    "ssd_chunk_scan": ssd_chunk_scan,
+    "chunk_gated_delta_rule": chunk_gated_delta_rule,
+    "chunk_kda": chunk_kda,
+    "selective_scan": selective_scan,
+}
+
 __all__ = [
+    "TORCH_OPS",
     "causal_conv1d", "causal_conv1d_reference",
     "chunk_gated_delta_rule", "chunk_kda", "delta_rule_reference", "gated_delta_rule_transition", "kda_transition",
     "l2norm",

@@ -208,3 +208,34 @@ def ms_selective_scan(u, delta, A, B, C, D=None, z=None, delta_bias=None, delta_
     y, last = out if output_final_state else (out, None)
     y = y.transpose(1, 2).reshape(n_seq * longest, channels).index_select(0, unpad).view(batch, length, channels)
     return y.to(u.dtype), None if last is None else last.float()
+
+
+# ---------------------------------------------------------------- one table for the integration
+
+LIBRARY_OPS = {
+    "causal_conv1d": cc_causal_conv1d,
+    "ssd_chunk_scan": ms_ssd_chunk_scan,
+    "chunk_gated_delta_rule": fla_chunk_gated_delta_rule,
+    "chunk_kda": fla_chunk_kda,
+    "selective_scan": ms_selective_scan,
+}
+
+
+def library_unavailable_reason(op: str, x: torch.Tensor, *, weight: torch.Tensor | None = None,
+                               activation: str | None = None, initial_state: torch.Tensor | None = None,
+                               final_state_needs_grad: bool = False) -> str | None:
+    """Why ``LIBRARY_OPS[op]`` cannot run a call with first input ``x`` (and, for the conv, its ``weight`` and
+    ``activation``; for Mamba1, whether an initial state is given or the final state needs a gradient), or None.
+    The integration asks this on every rank before any collective and uses the torch op otherwise."""
+    if op == "causal_conv1d":
+        if weight is None:
+            raise ValueError("library_unavailable_reason('causal_conv1d', ...) needs weight=")
+        return causal_conv1d_unavailable_reason(x, weight, activation)
+    if op == "ssd_chunk_scan":
+        return ssd_unavailable_reason(x)
+    if op in ("chunk_gated_delta_rule", "chunk_kda"):
+        return fla_unavailable_reason(x, kda=op == "chunk_kda")
+    if op == "selective_scan":
+        return selective_scan_unavailable_reason(x, initial_state=initial_state,
+                                                 final_state_needs_grad=final_state_needs_grad)
+    raise NotImplementedError(f"no recurrent op {op!r}; known: {sorted(LIBRARY_OPS)}")

@@ -100,9 +100,10 @@ def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
                              f"got {tuple(initial_state.shape)}")
         state_rows = initial_state.to(dtype).transpose(1, 2).reshape(n_seq * (width - 1), channels)
     tokens, windows, last, x_rows = _boundary_index(lens, width, x.device)
-    small = torch.cat([x_TC.index_select(0, x_rows), state_rows], dim=0)  # the few rows the boundaries read
+    x_CT = x_TC.t()  # channels first, like the layers' own transpose; gathers on it keep the gradient layout
+    small = torch.cat([x_CT.index_select(1, x_rows).t(), state_rows], dim=0)  # the few rows the boundaries read
     # only empty sequences: nothing to convolve, the states pass through
-    y_CT = row_conv(x_TC.t(), w, b) if len(x_TC) else x_TC.t()
+    y_CT = row_conv(x_CT, w, b) if len(x_TC) else x_CT
     if tokens.numel():
         fixed = torch.einsum("mkc,ck->cm", small[windows], w)  # [C, M]
         y_CT = y_CT.index_copy(1, tokens, fixed if b is None else fixed + b[:, None])

@@ -110,3 +110,14 @@ def test_importing_the_ops_imports_no_gpu_library():
             "bad = [m for m in sys.modules if m.split('.')[0] in ('fla', 'mamba_ssm', 'causal_conv1d')]; "
             "assert not bad, bad")
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+
+
+def test_one_table_names_every_op_on_both_paths():
+    from hf_blockdiag_cp.recurrent.ops import TORCH_OPS
+    assert set(adapters.LIBRARY_OPS) == set(TORCH_OPS)
+    x = torch.randn(1, 4, 3)
+    for op in TORCH_OPS:
+        reason = adapters.library_unavailable_reason(op, x, weight=torch.randn(3, 4), activation="silu")
+        assert reason and "CUDA" in reason, (op, reason)
+    with pytest.raises(NotImplementedError, match="no recurrent op"):
+        adapters.library_unavailable_reason("lightning", x)

@@ -193,3 +193,27 @@ def test_bad_arguments_raise():
     with pytest.raises(ValueError, match="seq_lens_host"):
         ops.ssd_chunk_scan(torch.randn(1, 5, 2, 2), torch.randn(1, 5, 2), -torch.ones(2), torch.randn(1, 5, 1, 3),
                            torch.randn(1, 5, 1, 3), cu_seqlens=torch.tensor([0, 5]), seq_lens_host=[2, 3])
+
+
+@pytest.mark.parametrize("op", ["chunk_gated_delta_rule", "chunk_kda", "ssd_chunk_scan", "selective_scan"])
+@pytest.mark.parametrize("decay", ["none", "total"])
+def test_extreme_decays_stay_exact_in_fp32(op, decay):
+    """No decay at all, and decays strong enough that exp(-cumulative) would overflow fp32 within a chunk: the
+    chunked forms only ever exponentiate decays between two positions of a chunk, so both stay exact."""
+    cu = cu_of(LENS)
+    case = make_case(op, sum(LENS)).cast(torch.float64)
+    i, p = case.inputs, case.params
+    if op in ("chunk_gated_delta_rule", "chunk_kda"):
+        i["g"] = torch.zeros_like(i["g"]) if decay == "none" else torch.full_like(i["g"], -40.0)
+    elif op == "ssd_chunk_scan":
+        p["A"] = torch.full_like(p["A"], -1e-9 if decay == "none" else -60.0)
+        i["dt"] = torch.full_like(i["dt"], 3.0)  # softplus(3 + bias) ~ 3, clamped to <= 5
+    else:
+        p["A"] = torch.full_like(p["A"], -1e-9 if decay == "none" else -60.0)
+    case = case.cast(torch.float32)
+    s0 = random_state(case, len(LENS), torch.float32)
+    out, final = case.run(case.inputs, case.params, s0, cu, True)
+    ref_out, ref_final = case.ref(case.inputs, case.params, s0, cu)
+    assert torch.isfinite(out).all() and torch.isfinite(final).all()
+    _assert_close("out", out, ref_out, 1e-4, 1e-4)
+    _assert_close("final_state", final, ref_final, 1e-4, 1e-4)
