@@ -148,17 +148,21 @@ def run_fragments(spec: ScanFunction, original: Callable, runs: LocalRuns, args:
 
 
 def call_fragment(spec: ScanFunction, original: Callable, named: dict[str, Any], row: int, start: int, length: int,
-                  initial_state: torch.Tensor | None = None, want_state: bool | None = None
+                  initial_state: torch.Tensor | None = None, want_state: bool | None = None,
+                  replace: dict[str, Callable[[torch.Tensor], torch.Tensor]] | None = None
                   ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The model's own function on rows ``[start, start + length)`` of batch row ``row``: ``(out, final state)``.
 
-    ``want_state``: ask for the final state (default: what the caller asked for).
+    ``want_state``: ask for the final state (default: what the caller asked for). ``replace``: functions applied to
+    some of the fragment's inputs (e.g. zeros, to read a state transition off the model's own function).
     """
     sub = dict(named)
     for name, dim in spec.time_args.items():
         value = sub.get(name)
         if isinstance(value, torch.Tensor):
             sub[name] = value[row:row + 1].narrow(_time_axis(value, dim), start, length)
+    for name, fn in (replace or {}).items():
+        sub[name] = fn(sub[name])
     if spec.state_in is not None:
         sub[spec.state_in] = initial_state
     if want_state is not None and spec.state_flag is not None:

@@ -10,42 +10,19 @@ activation-checkpoint recompute).
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from ..planning.documents import doc_ids_from_flattening, doc_ids_from_position_ids, run_boundaries
+from ..planning.documents import doc_ids_from_flattening, doc_ids_from_position_ids
+from ..planning.fragments import Fragment, FragmentPlan, local_fragments, plan_fragments
 
 __all__ = ["Fragment", "LocalRuns", "local_runs"]
 
 
-@dataclass(frozen=True)
-class Fragment:
-    """One piece of one document on this rank.
-
-    Attributes:
-        row: batch row.
-        start / length: local rows ``[start, start + length)``.
-        global_start: full-row position of the first row.
-        doc_start: full-row position where the fragment's document (or padding run) starts.
-        doc: document id (0: padding).
-    """
-
-    row: int
-    start: int
-    length: int
-    global_start: int
-    doc_start: int
-    doc: int
-
-    @property
-    def continues(self) -> bool:
-        """Whether an earlier piece of this document exists (its state must flow in)."""
-        return self.global_start > self.doc_start
-
-
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class LocalRuns:
     """The fragments of every local row, in row order.
 
@@ -53,11 +30,15 @@ class LocalRuns:
         rows: per batch row, its fragments in local order (they tile ``[0, local_len)``).
         local_len: local rows per batch row.
         cp_size: the CP group size of the step (1: whole rows).
+        plan: the step's :class:`~hf_blockdiag_cp.planning.fragments.FragmentPlan` (CP > 1).
+        context: the step's ``cp_context`` (CP > 1: its group, rank and runtime).
     """
 
     rows: tuple[tuple[Fragment, ...], ...]
     local_len: int
     cp_size: int = 1
+    plan: FragmentPlan | None = None
+    context: Any = None
 
     @property
     def batch_size(self) -> int:
@@ -66,24 +47,6 @@ class LocalRuns:
     @property
     def fragments(self) -> tuple[Fragment, ...]:
         return tuple(f for row in self.rows for f in row)
-
-
-def _fragments(ids_local: torch.Tensor, positions: torch.Tensor, ids_full: torch.Tensor, cp_size: int) -> LocalRuns:
-    """Fragments from local document ids ``[B, L]``, their full-row positions ``[L]`` and full ids ``[B, S]``."""
-    rows = []
-    for b in range(ids_local.shape[0]):
-        local = ids_local[b]
-        cut = run_boundaries(local)
-        cut[1:] |= positions[1:] != positions[:-1] + 1
-        starts = torch.nonzero(cut).flatten().tolist() + [local.numel()]
-        full_starts = torch.nonzero(run_boundaries(ids_full[b])).flatten()
-        row = []
-        for lo, hi in zip(starts[:-1], starts[1:]):
-            g = int(positions[lo])
-            doc_start = int(full_starts[torch.searchsorted(full_starts, g, right=True) - 1])
-            row.append(Fragment(b, lo, hi - lo, g, doc_start, int(local[lo])))
-        rows.append(tuple(row))
-    return LocalRuns(tuple(rows), ids_local.shape[1], cp_size)
 
 
 def local_runs(named: dict[str, Any], packed: bool) -> LocalRuns | None:
@@ -96,9 +59,16 @@ def local_runs(named: dict[str, Any], packed: bool) -> LocalRuns | None:
     """
     ctx = named.get("cp_context")
     if ctx is not None:
-        ids = ctx.doc_ids
         index = ctx.local_index.to(torch.int64)
-        return _fragments(ids[:, index], index, ids, ctx.cp_size)
+        rows = local_fragments(ctx.doc_ids, index)
+        if ctx.cp_size == 1:
+            return LocalRuns(rows, index.numel())
+        if ctx.ulysses_size > 1:
+            raise NotImplementedError(
+                "recurrent layers under the head-parallel layout (ulysses_size > 1) are not implemented: blockdiag_cp "
+                "passes their states between sequence shards only; use ulysses_size=1 for hybrid models")
+        plan = _cached_plan(ctx)
+        return LocalRuns(rows, index.numel(), ctx.cp_size, plan, ctx)
     if not packed:
         return None
     position_ids = named.get("position_ids")
@@ -115,4 +85,17 @@ def local_runs(named: dict[str, Any], packed: bool) -> LocalRuns | None:
             position_ids=None if position_ids is None else position_ids.reshape(-1))[None]
     else:
         ids = doc_ids_from_position_ids(position_ids)
-    return _fragments(ids, torch.arange(ids.shape[1]), ids, 1)
+    return LocalRuns(local_fragments(ids, torch.arange(ids.shape[1])), ids.shape[1])
+
+
+#: The fragment plan of every live context (computed once per step, dropped with the context).
+_PLANS: "weakref.WeakKeyDictionary[Any, FragmentPlan]" = weakref.WeakKeyDictionary()
+
+
+def _cached_plan(ctx: Any) -> FragmentPlan:
+    """The step's fragment plan, once per context (a context and its device copies share it)."""
+    owner = ctx if getattr(ctx, "origin", None) is None else ctx.origin
+    plan = _PLANS.get(owner)
+    if plan is None:
+        plan = _PLANS[owner] = plan_fragments(ctx.doc_ids, ctx.placement.index)
+    return plan
