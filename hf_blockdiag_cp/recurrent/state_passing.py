@@ -141,6 +141,9 @@ def run_cp(spec: ScanFunction, original: Callable, runs: LocalRuns, named: dict[
         buffer = torch.zeros(plan.slots, width, dtype=torch.float32, device=device)
         if summaries:
             buffer = torch.cat([torch.stack(summaries), buffer[len(summaries):]])
+        if torch.is_grad_enabled() and not buffer.requires_grad:
+            # A rank that sends nothing differentiable must still join the gather's backward (a reduce-scatter).
+            buffer.requires_grad_()
         gather = _Gather(ctx.cp_size, rank, ctx.group, datetime.timedelta(seconds=ctx.config.collective_timeout_s),
                          step_runtime(ctx).comm)
         gathered = _AllGather.apply(buffer, gather)  # [P * slots, W]

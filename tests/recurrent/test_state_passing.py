@@ -85,7 +85,7 @@ def _worker(rank: int, world: int) -> dict:
             batch = collator([{"input_ids": d.tolist()} for d in docs])
             ctx = batch["cp_context"]
             with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
-                out = model(**batch, use_cache=False)
+                out = model(**batch)
             sent_forward = sum(s for phase, s, _ in comm_stats(ctx).per_call if phase == "forward")
             out.loss.backward()
             for p in model.parameters():
