@@ -12,7 +12,8 @@ Each function is one of three kinds:
 - :data:`SCANS`: sequence mixers the package runs per document fragment (convolution and scans).
 - :data:`COMPOSITES`: functions that only dispatch to the scans above (their torch path), or decode-only steps
   (one token with a cache): left as they are.
-- :data:`FUSED`: fused GPU paths that would mix documents inside one kernel call; refused with packed rows.
+- :data:`FUSED`: fused GPU paths that would mix documents inside one kernel call; skipped with packed rows (the
+  layers then take their unfused path).
 
 A transformers upgrade that renames one of them fails ``tests/recurrent/test_functions.py`` (the names and
 parameters below are checked against the installed model files), not a user.
@@ -77,7 +78,7 @@ COMPOSITES: frozenset[str] = frozenset({
     "causal_conv1d_forward", "causal_conv1d_update", "mamba2_scan_forward", "mamba_scan_forward",
     "selective_state_update", "fused_recurrent_gated_delta_rule", "fused_recurrent_kda", "rotary_pos_emb"})
 
-#: Fused GPU paths (mamba_ssm) whose one kernel call covers the whole row: refused with packed rows.
+#: Fused GPU paths (mamba_ssm) whose one kernel call covers the whole row: skipped with packed rows.
 FUSED: frozenset[str] = frozenset({"mamba_split_conv1d_scan_combined", "mamba_inner_fn"})
 
 

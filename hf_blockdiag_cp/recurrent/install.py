@@ -10,7 +10,8 @@ the wrapper of each served scan gets an instance ``forward`` (as ``kernels.kerne
 
 The fragments come from the forward's preparation (the model pre-hook stores them in the probe), so a decoder
 layer that drops the model's keyword arguments (jamba, mamba, falcon_mamba) is served as well as one that
-passes them. Fused GPU paths (:data:`~.functions.FUSED`) raise with packed rows.
+passes them. Fused GPU paths (:data:`~.functions.FUSED`) are skipped with packed rows (they return ``None``,
+as their torch stand-ins do, and the layer runs its unfused, served path).
 """
 
 from __future__ import annotations
@@ -79,10 +80,9 @@ def install_recurrent(model: torch.nn.Module, runs_of: Callable[[], LocalRuns | 
 def _fused_forward(name: str, original: Callable, runs_of: Callable[[], LocalRuns | None]) -> Callable:
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         if runs_of() is not None:
-            raise NotImplementedError(
-                f"{name} (a fused mamba_ssm GPU kernel) runs the whole row in one call and would carry state across "
-                "packed documents; blockdiag_cp serves the unfused path only (uninstall mamba_ssm's fused kernels or "
-                "run on CPU)")
+            # The fused kernel runs the whole row in one call (state across documents). ``None`` is what its torch
+            # stand-in returns: every layer calling it then takes its unfused path, whose scans are served.
+            return None
         return original(*args, **kwargs)
     return forward
 

@@ -17,8 +17,9 @@ document order, in fp32, and is run again from the state so composed. Summaries 
 Each rank sends ``slots`` summaries (the same on every rank, padded), so the all-gather has one fixed shape:
 per layer and direction a rank sends ``(P - 1) * slots * W * 4`` bytes, whatever the row length. Autograd runs
 through the gather (its backward is a reduce-scatter, :class:`~hf_blockdiag_cp.distributed.exchange._AllGather`),
-through the composed states into the earlier fragments' inputs. Mamba1's torch scan takes no initial state:
-refused under CP with fragments that continue (CP = 1 is exact).
+through the composed states into the earlier fragments' inputs. Mamba1 (state ``[D, N]``, ``W = 2 D N``: end state
+and ``exp(A sum_t delta_t)``): transformers' scan takes no initial state, so a continuing fragment adds the
+incoming state's part ``C_t (exp(A cumsum delta) * S_in)`` (gated by ``silu(z)``) to its zero-state output.
 """
 
 from __future__ import annotations
@@ -59,13 +60,41 @@ def summary_width(spec: ScanFunction, named: dict[str, Any]) -> int:
         x, b = named["hidden_states"], named["B"]
         heads = x.shape[2]
         return heads * x.shape[3] * b.shape[3] + heads
+    if spec.kind == "selective":
+        return 2 * named["A"].numel()
     key, value = named["key"], named["value"]
     heads, dk, dv = value.shape[2], key.shape[3], value.shape[3]
     return heads * dk * dv + heads * dk * dk
 
 
+def _selective_delta(named: dict[str, Any], row: int, start: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Mamba1's step sizes ``[1, D, T]`` of a fragment, as transformers' selective scan derives them, and ``A``."""
+    delta = named["dt"][row:row + 1].narrow(-1, start, length)
+    if named.get("delta_bias") is not None:
+        delta = delta + named["delta_bias"].to(delta.dtype)[..., None]
+    if named.get("delta_softplus"):
+        delta = torch.nn.functional.softplus(delta)
+    return delta, named["A"]
+
+
+def _selective_contribution(named: dict[str, Any], f: Any, state: torch.Tensor) -> torch.Tensor:
+    """What Mamba1's incoming state ``[1, D, N]`` adds to a fragment's outputs ``[1, D, T]``: ``C_t`` read of the
+    state decayed by ``exp(A * sum_{s<=t} delta_s)``, gated by ``silu(z)`` like the scan's own output."""
+    delta, a = _selective_delta(named, f.row, f.start, f.length)
+    c = named["C"][f.row:f.row + 1].narrow(-1, f.start, f.length).float()  # [1, N, T]
+    decay = torch.exp(a.float()[None, :, None, :] * delta.float().cumsum(-1)[..., None])  # [1, D, T, N]
+    out = torch.einsum("bdtn,bnt,bdn->bdt", decay, c, state.float())
+    z = named.get("z")
+    if z is not None:
+        out = out * torch.nn.functional.silu(z[f.row:f.row + 1].narrow(-1, f.start, f.length).float())
+    return out.to(named["hidden_states"].dtype)
+
+
 def _state_shapes(spec: ScanFunction, named: dict[str, Any]) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """Shapes of the end state and of the transition (per fragment, batch 1)."""
+    if spec.kind == "selective":
+        a = named["A"]
+        return (1, *a.shape), (1, *a.shape)
     if spec.kind == "ssd":
         x, b = named["hidden_states"], named["B"]
         return (1, x.shape[2], x.shape[3], b.shape[3]), (1, x.shape[2])
@@ -77,6 +106,9 @@ def _transition(spec: ScanFunction, original: Callable, named: dict[str, Any], r
                 length: int) -> torch.Tensor:
     """The fragment's state map as a tensor: SSD ``[1, H]`` decay, delta rule ``[1, H, Dk, Dk]`` ``M``."""
     end_shape, _ = _state_shapes(spec, named)
+    if spec.kind == "selective":
+        delta, a = _selective_delta(named, row, start, length)
+        return torch.exp(a.float()[None] * delta.float().sum(-1)[..., None])  # [1, D, N]
     if spec.kind == "ssd":
         x = named["hidden_states"]
         zero = {"hidden_states": lambda t: torch.zeros_like(t)}
@@ -106,13 +138,8 @@ def run_cp(spec: ScanFunction, original: Callable, runs: LocalRuns, named: dict[
                                   "implemented; pass use_cache=False when training")
     frags = plan.fragments[rank]
     sources = plan.sources[rank]
-    if spec.kind == "selective" and plan.slots:
-        raise NotImplementedError(
-            "Mamba1's selective scan (transformers' selective_scan_fn) takes no initial state, so a document split "
-            "over CP ranks cannot continue its state; blockdiag_cp runs jamba / mamba / falcon_mamba exactly at "
-            "CP size 1, or under CP only when no document is split (use the per-document placement)")
     sending = set(plan.send[rank])
-    width = summary_width(spec, named) if spec.kind != "selective" else 0
+    width = summary_width(spec, named)
     outputs: dict[int, torch.Tensor] = {}
     summaries: list[torch.Tensor] = []
     for i, f in enumerate(frags):
@@ -120,11 +147,11 @@ def run_cp(spec: ScanFunction, original: Callable, runs: LocalRuns, named: dict[
             if not f.continues:
                 outputs[i], _ = call_fragment(spec, original, named, f.row, f.start, f.length)
             continue
-        if f.continues and i not in sending:
+        if f.continues and i not in sending and spec.kind != "selective":
             continue
         out, end = call_fragment(spec, original, named, f.row, f.start, f.length, None,
                                  True if i in sending else None)
-        if not f.continues:
+        if not f.continues or spec.kind == "selective":  # Mamba1 adds the incoming state's part later
             outputs[i] = out
         if i in sending:
             summaries.append(torch.cat([end.float().flatten(),
@@ -153,6 +180,8 @@ def run_cp(spec: ScanFunction, original: Callable, runs: LocalRuns, named: dict[
         if spec.kind == "conv":
             outputs[i] = _continue_conv(spec, original, named, f, rows, [plan.fragments[r][plan.send[r][s]].length
                                                                          for r, s in srcs])
+        elif spec.kind == "selective":
+            outputs[i] = outputs[i] + _selective_contribution(named, f, _compose(spec, named, rows))
         else:
             state = _compose(spec, named, rows)
             value = named["hidden_states" if spec.kind == "ssd" else "value"]
@@ -184,6 +213,8 @@ def _compose(spec: ScanFunction, named: dict[str, Any], rows: list[torch.Tensor]
         transition = summary[n:].view(transition_shape)
         if spec.kind == "ssd":
             state = transition[..., None, None] * state + end
+        elif spec.kind == "selective":
+            state = transition * state + end
         else:
             state = transition @ state + end
     return state

@@ -1,7 +1,7 @@
 """Issue 24, CP > 1: recurrent layers pass fragment states between gloo ranks, exactly.
 
 A full tiny training step of hybrid models (gated delta rule + convolution: qwen3_next; Mamba2/SSD + convolution,
-no attention layer: bamba; short convolution: lfm2) on P = 2 and 4 ranks, with documents split into several
+no attention layer: bamba; short convolution: lfm2; Mamba1, whose layers drop the model's kwargs: mamba) on P = 2 and 4 ranks, with documents split into several
 fragments (contiguous, zigzag, balanced placements), a rank holding only padding, activation checkpointing and
 bf16 autocast, equals each document run alone through the unmodified model: logits of every rank mapped back
 through ``local_index`` and parameter gradients all-reduced over the ranks. The bytes the recurrent all-gathers
@@ -31,6 +31,7 @@ CASES = [
     ("bamba", "zigzag", False, False),
     ("bamba", "contiguous", True, False),
     ("lfm2", "balanced", False, False),
+    ("mamba", "contiguous", True, False),
 ]
 
 
@@ -54,7 +55,7 @@ def expected_bytes(model: torch.nn.Module, slots: int, cp_size: int) -> int:
     ``(P - 1) * slots * W * 4``; SSD mixers: ``W = C (K - 1)`` (conv) and ``H P N + H`` (scan)."""
     total = 0
     for module in model.modules():
-        if hasattr(module, "ssm_state_size") and hasattr(module, "conv1d"):
+        if hasattr(module, "ssm_state_size") and hasattr(module, "conv1d") and hasattr(module, "num_heads"):
             channels, _, kernel = module.conv1d.weight.shape
             heads, head_dim, state = module.num_heads, module.head_dim, module.ssm_state_size
             total += (cp_size - 1) * slots * 4 * (channels * (kernel - 1) + heads * head_dim * state + heads)
@@ -79,7 +80,7 @@ def _worker(rank: int, world: int) -> dict:
             ref_logits, ref_grads = _alone(build_model(config, None).train(), docs, bf16)
             model = build_model(config, "blockdiag_cp").train()
             if checkpointing:
-                model.gradient_checkpointing_enable()
+                model.activation_checkpointing_enable()
             collator = bd.PackingCollator(SEQ_LEN, group=dist.group.WORLD, pad_token_id=0, placement=placement,
                                           config=bd.BlockDiagCPConfig(collective_timeout_s=60))
             batch = collator([{"input_ids": d.tolist()} for d in docs])
