@@ -157,7 +157,7 @@ def prepare_model(model: torch.nn.Module, *, strict: bool = False) -> torch.nn.M
     probe.padding_refusal = padding_refusal(model)
     for sub in model.modules():
         sub.__dict__[PROBE_ATTR] = probe
-    probe.recurrent_mixers = install_recurrent(model, lambda: probe.runs, lambda: mark_attention_call(model))
+    probe.recurrent_mixers = install_recurrent(model, probe)
     if isinstance(model, PreTrainedModel) and uses_blockdiag_cp(model):  # its pair refuses for its nested models
         for sub in list(model.modules())[1:]:
             nested = sub.__dict__.pop(PREPARATION_ATTR, None)

@@ -46,16 +46,17 @@ def is_served(module: torch.nn.Module) -> bool:
     return funcs is not None and any(name in SCANS for name in funcs) and not unserved_functions(module)
 
 
-def install_recurrent(model: torch.nn.Module, runs_of: Callable[[], LocalRuns | None],
-                      mark: Callable[[], None] = lambda: None) -> int:
+def install_recurrent(model: torch.nn.Module, probe: Any) -> int:
     """Install the per-fragment forwards on every served mixer of ``model``; returns how many mixers.
 
     Args:
-        runs_of: returns the fragments of the forward in progress (the probe's, set by the pre-hook).
-        mark: called for every served call with packed rows (the probe counts it as a call of the package's
-            token mixing, so that a packed forward of a model without attention layers is not refused).
+        probe: the model's :class:`~hf_blockdiag_cp.model.prepare.ForwardProbe`: its ``runs`` are the fragments of
+            the forward in progress (set by the pre-hook); every served call with packed rows counts as a call of
+            the package's token mixing (``attention_calls``), so that a packed forward of a model without attention
+            layers is not refused.
 
-    Idempotent (a wrapper keeps its first original).
+    Idempotent (a wrapper keeps its first original). Everything lives in the wrappers' ``__dict__`` (no closure), so a
+    deep copy of the model (e.g. a reference copy) reads its own probe.
     """
     count = 0
     for module in model.modules():
@@ -63,39 +64,37 @@ def install_recurrent(model: torch.nn.Module, runs_of: Callable[[], LocalRuns | 
             continue
         count += 1
         for name, wrapper in mixer_functions(module).items():
+            if name not in SCANS and name not in FUSED:
+                continue
+            wrapper.__dict__[_PROBE_KEY] = probe
             if INSTALLED_ATTR in wrapper.__dict__:
                 continue
-            original = wrapper.forward
-            if name in SCANS:
-                replacement = _scan_forward(SCANS[name], original, runs_of, mark)
-            elif name in FUSED:
-                replacement = _fused_forward(name, original, runs_of)
-            else:
-                continue
-            wrapper.__dict__[INSTALLED_ATTR] = original
-            wrapper.forward = MethodType(replacement, wrapper)
+            wrapper.__dict__[INSTALLED_ATTR] = wrapper.forward
+            wrapper.__dict__[_NAME_KEY] = name
+            wrapper.forward = MethodType(_scan_forward if name in SCANS else _fused_forward, wrapper)
     return count
 
 
-def _fused_forward(name: str, original: Callable, runs_of: Callable[[], LocalRuns | None]) -> Callable:
-    def forward(self, *args: Any, **kwargs: Any) -> Any:
-        if runs_of() is not None:
-            # The fused kernel runs the whole row in one call (state across documents). ``None`` is what its torch
-            # stand-in returns: every layer calling it then takes its unfused path, whose scans are served.
-            return None
+_PROBE_KEY = "_blockdiag_cp_probe"
+_NAME_KEY = "_blockdiag_cp_name"
+
+
+def _fused_forward(self: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
+    if self.__dict__[_PROBE_KEY].runs is not None:
+        # The fused kernel runs the whole row in one call (state across documents). ``None`` is what its torch
+        # stand-in returns: every layer calling it then takes its unfused path, whose scans are served.
+        return None
+    return self.__dict__[INSTALLED_ATTR](*args, **kwargs)
+
+
+def _scan_forward(self: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
+    probe = self.__dict__[_PROBE_KEY]
+    original = self.__dict__[INSTALLED_ATTR]
+    runs = probe.runs
+    if runs is None:
         return original(*args, **kwargs)
-    return forward
-
-
-def _scan_forward(spec: ScanFunction, original: Callable, runs_of: Callable[[], LocalRuns | None],
-                  mark: Callable[[], None]) -> Callable:
-    def forward(self, *args: Any, **kwargs: Any) -> Any:
-        runs = runs_of()
-        if runs is None:
-            return original(*args, **kwargs)
-        mark()
-        return run_fragments(spec, original, runs, args, kwargs)
-    return forward
+    probe.attention_calls += 1
+    return run_fragments(SCANS[self.__dict__[_NAME_KEY]], original, runs, args, kwargs)
 
 
 def bind(spec: ScanFunction, args: tuple, kwargs: dict[str, Any]) -> dict[str, Any]:
@@ -186,4 +185,5 @@ def uninstall_recurrent(model: torch.nn.Module) -> None:
     for module in model.modules():
         for wrapper in (mixer_functions(module) or {}).values():
             if wrapper.__dict__.pop(INSTALLED_ATTR, None) is not None:
-                wrapper.__dict__.pop("forward", None)
+                for key in ("forward", _PROBE_KEY, _NAME_KEY):
+                    wrapper.__dict__.pop(key, None)
