@@ -207,3 +207,12 @@ def test_other_ranks_wait_before_exiting_on_a_set_up_error(monkeypatch, capsys):
         err = capsys.readouterr().err
         assert err == ("" if rank == "1" else "error: --cp-size 3 does not divide the 2 launched processes\n"), err
     assert common.OTHER_RANKS_EXIT_AFTER_S >= 5
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_example_with_a_tiny_hybrid_model_keeps_parity(tmp_path):
+    # Issue 24: Qwen3-Next (gated delta rule + convolution layers, state passed between the CP ranks).
+    result = _launch(tmp_path, "--cp-size", "2", "--seq-len", "512", "--steps", "2", "--max-docs", "24",
+                     "--model", "configs/model/tiny-qwen3-next.json", "--check-parity", launcher=False)
+    assert result["parity"]["abs_loss_diff"] <= 1e-5 and result["parity"]["max_grad_diff"] <= 1e-4

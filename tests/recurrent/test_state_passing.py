@@ -103,7 +103,7 @@ def _worker(rank: int, world: int) -> dict:
             plan = _cached_plan(ctx)
             report[key] = dict(slots=plan.slots, continuing=len(plan.sources[rank]), padding_only=not bool(real.any()),
                                sent_forward=sent_forward,
-                               expected=expected_bytes(model, plan.slots, world) * (2 if checkpointing else 1))
+                               expected=expected_bytes(model, plan.slots, world))
     return report
 
 
