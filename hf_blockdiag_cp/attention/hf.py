@@ -26,7 +26,7 @@ from ..config import ATTN_IMPLEMENTATION, BlockDiagCPConfig
 from ..context import BlockDiagCPContext
 from ..kernels import BackendUnavailable
 from ..model import mark_attention_call, patch_transformers
-from ..model.prepare import check_context_reached
+from ..model.prepare import check_context_reached, forward_context
 from .core import attend_flat, autocast_like_sdpa, check_qkv, flat_rows, kernel_spec, resolve_backend
 from .cp import cp_attention
 from .keywords import check_keywords, chunked_context_plan, plan_from_kwargs, refuse_appended_keys
@@ -70,7 +70,9 @@ def blockdiag_cp_attention(module: torch.nn.Module, query: torch.Tensor, key: to
     mask = attention_mask if isinstance(attention_mask, BlockDiagMask) else None
     model_type = _model_type(module, mask)
     check_keywords(module, model_type, kwargs)
-    check_context_reached(module, kwargs.get("cp_context"))  # layers that drop the model's kwargs (CP > 1)
+    # Layers that drop the model's kwargs (stablelm, nemotron, falcon) get the context their forward was given.
+    kwargs["cp_context"] = forward_context(module, kwargs.get("cp_context"))
+    check_context_reached(module, kwargs["cp_context"])
     refuse_appended_keys(mask, query, key, model_type)  # keys that are neither the local rows nor a cache
     if mask is not None:
         if mask.spec.refusal is not None:
