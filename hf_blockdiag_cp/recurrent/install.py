@@ -22,6 +22,7 @@ from typing import Any, Callable
 
 import torch
 
+from ..errors import UnsupportedModel
 from .functions import COMPOSITES, FUSED, SCANS, ScanFunction, mixer_functions
 from .runs import LocalRuns
 
@@ -120,7 +121,7 @@ def run_fragments(spec: ScanFunction, original: Callable, runs: LocalRuns, args:
     for key in _PACKING_KEYWORDS:
         named.pop(key, None)
     if spec.state_in is not None and named.get(spec.state_in) is not None:
-        raise NotImplementedError(f"{spec.name} got an initial state (a cache) with packed rows; blockdiag_cp "
+        raise UnsupportedModel(f"{spec.name} got an initial state (a cache) with packed rows; blockdiag_cp "
                                   "trains packed rows without a cache (pass use_cache=False)")
     lead = named[next(iter(spec.time_args))]
     length = lead.shape[_time_axis(lead, spec.time_args[next(iter(spec.time_args))])]

@@ -10,12 +10,12 @@ activation-checkpoint recompute).
 
 from __future__ import annotations
 
-import weakref
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from ..errors import UnsupportedModel
 from ..planning.documents import doc_ids_from_flattening, doc_ids_from_position_ids
 from ..planning.fragments import Fragment, FragmentPlan, local_fragments, plan_fragments
 
@@ -64,7 +64,7 @@ def local_runs(named: dict[str, Any], packed: bool) -> LocalRuns | None:
         if ctx.cp_size == 1:
             return LocalRuns(rows, index.numel())
         if ctx.ulysses_size > 1:
-            raise NotImplementedError(
+            raise UnsupportedModel(
                 "recurrent layers under the head-parallel layout (ulysses_size > 1) are not implemented: blockdiag_cp "
                 "passes their states between sequence shards only; use ulysses_size=1 for hybrid models")
         plan = _cached_plan(ctx)
@@ -88,14 +88,11 @@ def local_runs(named: dict[str, Any], packed: bool) -> LocalRuns | None:
     return LocalRuns(local_fragments(ids, torch.arange(ids.shape[1])), ids.shape[1])
 
 
-#: The fragment plan of every live context (computed once per step, dropped with the context).
-_PLANS: "weakref.WeakKeyDictionary[Any, FragmentPlan]" = weakref.WeakKeyDictionary()
-
-
 def _cached_plan(ctx: Any) -> FragmentPlan:
-    """The step's fragment plan, once per context (a context and its device copies share it)."""
-    owner = ctx if getattr(ctx, "origin", None) is None else ctx.origin
-    plan = _PLANS.get(owner)
-    if plan is None:
-        plan = _PLANS[owner] = plan_fragments(ctx.doc_ids, ctx.placement.index)
-    return plan
+    """The step's fragment plan, planned once per step and kept in the step's runtime (shared by device copies)."""
+    from ..runtime import step_runtime  # the runtime module imports the context, which imports planning
+
+    runtime = step_runtime(ctx)
+    if runtime.fragments is None:
+        runtime.fragments = plan_fragments(ctx.doc_ids, ctx.placement.index)
+    return runtime.fragments

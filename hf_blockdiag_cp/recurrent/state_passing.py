@@ -30,9 +30,10 @@ from typing import Any, Callable
 
 import torch
 
-from ..attention.runtime import step_runtime
 from ..distributed import CommStats
 from ..distributed.exchange import _AllGather
+from ..errors import UnsupportedModel
+from ..runtime import step_runtime
 from .functions import ScanFunction
 from .install import _time_axis, call_fragment
 from .runs import LocalRuns
@@ -134,7 +135,7 @@ def run_cp(spec: ScanFunction, original: Callable, runs: LocalRuns, named: dict[
     plan, ctx = runs.plan, runs.context
     rank = ctx.cp_rank
     if spec.state_flag is not None and named.get(spec.state_flag):
-        raise NotImplementedError(f"{spec.name}: a final state (a cache) under context parallelism is not "
+        raise UnsupportedModel(f"{spec.name}: a final state (a cache) under context parallelism is not "
                                   "implemented; pass use_cache=False when training")
     frags = plan.fragments[rank]
     sources = plan.sources[rank]

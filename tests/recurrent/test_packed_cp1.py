@@ -15,8 +15,15 @@ import pytest
 import torch
 
 from hf_blockdiag_cp.conformance.configs import tiny_config
-from hf_blockdiag_cp.conformance.runs import (VARIANTS, build_model, grad_error, make_documents, packed_inputs,
-                                              packed_run, reference_run)
+from hf_blockdiag_cp.conformance.runs import (
+    VARIANTS,
+    build_model,
+    grad_error,
+    make_documents,
+    packed_inputs,
+    packed_run,
+    reference_run,
+)
 from hf_blockdiag_cp.model.detect import packing_refusal
 from hf_blockdiag_cp.recurrent.functions import COMPOSITES, FUSED, SCANS, mixer_functions
 from hf_blockdiag_cp.recurrent.install import INSTALLED_ATTR, check_signature, uninstall_recurrent

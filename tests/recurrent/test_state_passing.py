@@ -1,9 +1,9 @@
 """Issue 24, CP > 1: recurrent layers pass fragment states between gloo ranks, exactly.
 
 A full tiny training step of hybrid models (gated delta rule + convolution: qwen3_next; Mamba2/SSD + convolution,
-no attention layer: bamba; short convolution: lfm2; Mamba1, whose layers drop the model's kwargs: mamba) on P = 2 and 4 ranks, with documents split into several
-fragments (contiguous, zigzag, balanced placements), a rank holding only padding, activation checkpointing and
-bf16 autocast, equals each document run alone through the unmodified model: logits of every rank mapped back
+no attention layer: bamba; short convolution: lfm2; Mamba1, whose layers drop the model's kwargs: mamba)
+on P = 2 and 4 ranks, with documents split into several fragments (contiguous, zigzag, balanced placements), a
+rank holding only padding, activation checkpointing and bf16 autocast, equals each document run alone through the unmodified model: logits of every rank mapped back
 through ``local_index`` and parameter gradients all-reduced over the ranks. The bytes the recurrent all-gathers
 move equal the formula of docs/layouts.md. The fragment plan is checked against a brute-force enumeration.
 """
@@ -66,7 +66,7 @@ def _worker(rank: int, world: int) -> dict:
     import torch.distributed as dist
 
     import hf_blockdiag_cp as bd
-    from hf_blockdiag_cp.attention.cp import comm_stats
+    from hf_blockdiag_cp import comm_stats
     from hf_blockdiag_cp.conformance.configs import tiny_config
     from hf_blockdiag_cp.conformance.runs import build_model
     from hf_blockdiag_cp.recurrent.runs import _cached_plan

@@ -11,8 +11,14 @@ token-by-token recurrences for the tests.
 """
 
 from .conv import causal_conv1d, causal_conv1d_reference
-from .delta_rule import (chunk_gated_delta_rule, chunk_kda, delta_rule_reference, gated_delta_rule_transition,
-                         kda_transition, l2norm)
+from .delta_rule import (
+                         chunk_gated_delta_rule,
+                         chunk_kda,
+                         delta_rule_reference,
+                         gated_delta_rule_transition,
+                         kda_transition,
+                         l2norm,
+)
 from .selective_scan import selective_scan, selective_scan_reference, selective_scan_transition
 from .ssd import ssd_chunk_scan, ssd_chunk_scan_reference, ssd_transition
 
