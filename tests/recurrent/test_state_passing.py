@@ -3,7 +3,8 @@
 A full tiny training step of hybrid models (gated delta rule + convolution: qwen3_next; Mamba2/SSD + convolution,
 no attention layer: bamba; short convolution: lfm2; Mamba1, whose layers drop the model's kwargs: mamba)
 on P = 2 and 4 ranks, with documents split into several fragments (contiguous, zigzag, balanced placements), a
-rank holding only padding, activation checkpointing and bf16 autocast, equals each document run alone through the unmodified model: logits of every rank mapped back
+rank holding only padding, activation checkpointing and bf16 autocast, equals each document run alone through the
+unmodified model: logits of every rank mapped back
 through ``local_index`` and parameter gradients all-reduced over the ranks. The bytes the recurrent all-gathers
 move equal the formula of docs/layouts.md. The fragment plan is checked against a brute-force enumeration.
 """
