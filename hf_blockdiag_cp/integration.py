@@ -53,7 +53,7 @@ from .config import ATTN_IMPLEMENTATION, BlockDiagCPConfig
 from .context import BlockDiagCPContext
 from .kernels import BackendUnavailable
 from .model.detect import refuse_bypassing_model, uses_blockdiag_cp
-from .model.prepare import check_context_reached, mark_attention_call, prepare_model
+from .model.prepare import check_context_reached, forward_context, mark_attention_call, prepare_model
 from .runtime import DevicePlan, device_plan
 
 __all__ = ["ATTN_IMPLEMENTATION", "PATCHED_METHODS", "STRATEGIES", "WRAPPED_ATTR", "BlockDiagMask", "LayerCall",
@@ -94,7 +94,9 @@ def blockdiag_cp_attention(module: torch.nn.Module, query: torch.Tensor, key: to
     mask = attention_mask if isinstance(attention_mask, BlockDiagMask) else None
     model_type = _model_type(module, mask)
     check_keywords(module, model_type, kwargs)
-    check_context_reached(module, kwargs.get("cp_context"))  # layers that drop the model's kwargs (CP > 1)
+    # Layers that drop the model's kwargs (stablelm, nemotron, falcon) get the context their forward was given.
+    kwargs["cp_context"] = forward_context(module, kwargs.get("cp_context"))
+    check_context_reached(module, kwargs["cp_context"])
     refuse_appended_keys(mask, query, key, model_type)  # keys that are neither the local rows nor a cache
     if mask is not None:
         if mask.spec.refusal is not None:

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import weakref
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 
@@ -62,6 +62,8 @@ class StepRuntime:
         head_a2a: this rank's head all-to-all per device (``ulysses_size > 1`` only).
         forwards: model forwards this rank ran on the context (the forward agreement's counter; a
             gradient-checkpoint recompute runs the layers only and is not counted).
+        fragments: the step's :class:`~hf_blockdiag_cp.planning.fragments.FragmentPlan` for recurrent layers
+            (CP > 1), planned on first use.
     """
 
     plans: dict[PlanKey, DevicePlan] = field(default_factory=dict)
@@ -71,6 +73,7 @@ class StepRuntime:
     comm: CommStats = field(default_factory=CommStats)
     head_a2a: dict[torch.device, HeadA2A] = field(default_factory=dict)
     forwards: int = 0
+    fragments: Any = None
 
 
 #: The runtime of every live context (by identity: contexts compare by identity), the module's one cache.

@@ -77,16 +77,29 @@ def require_blockdiag_cp(model: torch.nn.Module, consequence: str, *, allow_unkn
 
 def packing_refusal(model: torch.nn.Module) -> str | None:
     """Why ``model`` cannot run packed rows with more than one document (or CP shards), or ``None``."""
+    from ..recurrent.install import is_served  # the recurrent package imports model/
+
     name_of_model = model_type(model)
+    # Recurrent mixers run per document fragment (hf_blockdiag_cp.recurrent): they, their convolutions and the
+    # blocks around them (MambaBlock, ...DecoderLayer) carry no state across documents any more.
+    served = [name for name, sub in model.named_modules() if is_served(sub)]
+    prefix = re.sub(r"(ForCausalLM|Model|LMHeadModel|PreTrainedModel)$", "", type(model).__name__)
     for name, sub in model.named_modules():
         if isinstance(sub, PreTrainedModel):  # the model classes themselves are named after the architecture
             continue
         if _NON_TEXT_PATTERN.search(name):  # encoders of other modalities do not see the packed text row
             continue
+        if any(s == name or s.startswith(name + ".") or name.startswith(s + ".") for s in served):
+            continue
+        if _calls_attention_interface(type(sub)):  # softmax attention named after its architecture (KimiLinear...)
+            continue
         kind = None
+        cls_name = type(sub).__name__
+        if served and prefix and cls_name.startswith(prefix):  # MambaRMSNorm: named after a served architecture
+            cls_name = cls_name[len(prefix):]
         if isinstance(sub, torch.nn.Conv1d):
             kind = "a convolution over the sequence"
-        elif _MIXER_PATTERN.search(type(sub).__name__):
+        elif _MIXER_PATTERN.search(cls_name):
             kind = "a recurrent / state-space / linear-attention token mixer"
         if kind is not None:
             return (f"{name_of_model} has {type(sub).__name__} layers ({name}: {kind}) that carry state across the "
@@ -101,6 +114,8 @@ def packing_refusal(model: torch.nn.Module) -> str | None:
                 "packed row would be shifted; blockdiag_cp refuses rows with more than one document for it")
     # Packed positions reach the embeddings only if some model class in the tree takes position_ids
     # (WhisperForCausalLM forwards them through **kwargs to its decoder; BartDecoder has none).
+    if served and not any(_calls_attention_interface(type(sub)) for sub in model.modules()):
+        return None  # a pure state-space model has no positions to count; its mixers read the packing
     takes_positions = any("position_ids" in inspect.signature(type(sub).forward).parameters
                           for sub in model.modules() if isinstance(sub, PreTrainedModel))
     if not takes_positions:
@@ -108,6 +123,14 @@ def packing_refusal(model: torch.nn.Module) -> str | None:
                 "not from each packed document (and not from a context-parallel shard's offset); blockdiag_cp refuses "
                 "rows with more than one document for it")
     return None
+
+
+def _calls_attention_interface(cls: type) -> bool:
+    """Whether ``cls.forward`` calls transformers' ``AttentionInterface`` (then it is softmax attention)."""
+    try:
+        return "ALL_ATTENTION_FUNCTIONS" in inspect.getsource(cls.forward)
+    except (OSError, TypeError, AttributeError):
+        return False
 
 
 def padding_refusal(model: torch.nn.Module) -> tuple[int, str] | None:

@@ -45,6 +45,8 @@ from torch.utils.hooks import RemovableHandle
 from transformers import PreTrainedModel
 
 from ..compat import forward_hooks
+from ..recurrent.install import install_recurrent, uninstall_recurrent
+from ..recurrent.runs import local_runs
 from .batch import arguments, check_batch, check_cp_loss_count, fill_position_ids, packing, positional_index
 from .detect import (
     UnsupportedModel,
@@ -59,8 +61,8 @@ from .forward_agreement import agree_forward
 from .head_refusals import check_logits_to_keep, row_pooling_refusal
 from .moe_aux import exact_router_aux_loss
 
-__all__ = ["PROBE_ATTR", "ForwardProbe", "Preparation", "check_context_reached", "mark_attention_call",
-           "package_hooks", "prepare_model", "unprepare_model"]
+__all__ = ["PROBE_ATTR", "ForwardProbe", "Preparation", "check_context_reached", "forward_context",
+           "mark_attention_call", "package_hooks", "prepare_model", "unprepare_model"]
 
 PROBE_ATTR = "_blockdiag_cp_probe"
 #: Attribute of a prepared model holding its :class:`Preparation`.
@@ -82,6 +84,12 @@ class ForwardProbe:
         cp_context: the ``cp_context`` (CP > 1) of the forward in progress, set by the pre-hook and cleared by
             the post-hook; every attention call inside that forward must receive it.
         head_refusal: why the model's head (row pooling) cannot serve packed or sharded rows, or ``None``.
+        held_context: the ``cp_context`` (CP > 1) of the latest forward, kept after it (activation-checkpoint
+            recompute): attention layers called without the model's keyword arguments use it (:func:`forward_context`).
+        recurrent_mixers: recurrent mixers served per document fragment (:mod:`hf_blockdiag_cp.recurrent`).
+        runs: the :class:`~hf_blockdiag_cp.recurrent.runs.LocalRuns` of the latest forward with packed rows or a
+            ``cp_context`` (``None``: one document per row), set by the pre-hook of every forward and kept after
+            it, so that an activation-checkpoint recompute during backward reads the same fragments.
     """
 
     model_type: str
@@ -93,6 +101,9 @@ class ForwardProbe:
     padding_refusal: tuple[int, str] | None = None
     cp_context: Any = None
     head_refusal: str | None = None
+    recurrent_mixers: int = 0
+    runs: Any = None
+    held_context: Any = None
 
 
 @dataclass(eq=False)
@@ -117,15 +128,25 @@ def mark_attention_call(module: torch.nn.Module) -> None:
         probe.attention_calls += 1
 
 
-def check_context_reached(module: torch.nn.Module, cp_context: Any) -> None:
-    """Refuse an attention call without the ``cp_context`` its model's forward was given (CP > 1).
+def forward_context(module: torch.nn.Module, cp_context: Any) -> Any:
+    """The ``cp_context`` of an attention call: the one it was given, else the one its model's forward was given
+    (CP > 1), which the forward's pre-hook holds.
 
-    A decoder layer that calls ``self_attn`` without the model's ``**kwargs`` (stablelm, nemotron) drops
-    the context: that layer would attend to this rank's keys only. The same on every rank (the models are
-    identical and a call without a context runs no collective), so every rank raises at the same layer
-    and none is left waiting in an exchange. One dict read, no tensor access.
+    A decoder layer that calls ``self_attn`` without the model's ``**kwargs`` (stablelm, nemotron, falcon) drops the
+    context; without it that layer would attend to this rank's keys only. The held context stays after the forward,
+    so an activation-checkpoint recompute during backward finds it too. One dict read, no tensor access.
     """
     if cp_context is not None:
+        return cp_context
+    probe = module.__dict__.get(PROBE_ATTR)
+    return None if probe is None else probe.held_context
+
+
+def check_context_reached(module: torch.nn.Module, cp_context: Any) -> None:
+    """Refuse an attention call without the ``cp_context`` its model's forward was given (CP > 1) and with none
+    held by the forward's preparation (a model whose pre-hook did not run: a prepared submodule called directly).
+    The same on every rank, so every rank raises at the same layer and none is left waiting in an exchange."""
+    if forward_context(module, cp_context) is not None:
         return
     probe = module.__dict__.get(PROBE_ATTR)
     if probe is None or probe.cp_context is None:
@@ -154,6 +175,7 @@ def prepare_model(model: torch.nn.Module, *, strict: bool = False) -> torch.nn.M
     probe.head_refusal = row_pooling_refusal(model) or probe.head_refusal  # a wrapper keeps its wrapped model's
     for sub in model.modules():
         sub.__dict__[PROBE_ATTR] = probe
+    probe.recurrent_mixers = install_recurrent(model, probe)
     if isinstance(model, PreTrainedModel) and uses_blockdiag_cp(model):  # its pair refuses for its nested models
         for sub in list(model.modules())[1:]:
             nested = sub.__dict__.pop(PREPARATION_ATTR, None)
@@ -182,6 +204,7 @@ def unprepare_model(model: torch.nn.Module) -> torch.nn.Module:
         if preparation is not None:
             _remove(preparation)
         sub.__dict__.pop(PROBE_ATTR, None)
+    uninstall_recurrent(model)
     return model
 
 
@@ -215,7 +238,11 @@ def _pre_forward(module: torch.nn.Module, args: tuple,
         probe.starts[id(module)] = probe.attention_calls
         ctx = kwargs.get("cp_context")
         probe.cp_context = ctx if getattr(ctx, "cp_size", 1) > 1 else None
+        probe.held_context = probe.cp_context
         _refuse(module, probe, args, kwargs)
+        if probe.recurrent_mixers and not any(key != id(module) for key in probe.starts):
+            named = arguments(module, args, kwargs)
+            probe.runs = local_runs(named, packing(named) is not None)
         if not any(key != id(module) for key in probe.starts):  # the outermost prepared module of the forward
             try:
                 agree_forward(module, arguments(module, args, kwargs))

@@ -41,10 +41,11 @@ FAST = {
     # 4. attention outside AttentionInterface
     "openai-gpt": (REFUSED, "does not route attention through transformers' AttentionInterface"),
     "xlnet": (REFUSED, "does not route attention through transformers' AttentionInterface"),
-    # 5. other token mixers
-    "mamba": (REFUSED, "carry state across the whole row"),
-    "qwen3_next": (REFUSED, "carry state across the whole row"),
-    "lfm2": (REFUSED, "carry state across the whole row"),
+    # 5. other token mixers: served per document fragment since issue 24, except those not listed there
+    "mamba": (EXACT, ""),
+    "qwen3_next": (EXACT, ""),
+    "lfm2": (EXACT, ""),
+    "minimax": (REFUSED, "carry state across the whole row"),
     # 6. positions counted from the row start
     "bart": (REFUSED, "forward takes no position_ids"),
     "marian": (REFUSED, "forward takes no position_ids"),
@@ -208,7 +209,7 @@ def test_cli_prints_one_line_and_json(capsys):
     assert conformance.main(["llama", "--no-generate"]) == 0
     assert capsys.readouterr().out.startswith("llama: exact")
     # A refused model exits 3 (documented in --help), not 0.
-    assert conformance.main(["mamba", "--no-generate", "--json"]) == 3
+    assert conformance.main(["xlstm", "--no-generate", "--json"]) == 3
     data = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert data["status"] == REFUSED and "carry state" in data["reason"]
 

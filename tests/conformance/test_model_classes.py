@@ -149,11 +149,13 @@ def test_models_bypassing_the_attention_interface_are_refused_at_load(model_type
 
 def test_attention_never_called_in_a_packed_forward_is_refused(monkeypatch):
     """The runtime backstop for models the load-time heuristic misses: mamba has no attention at all;
-    with its mixer refusal switched off, the packed forward must still be refused afterwards."""
+    with its per-document scans removed and its refusal switched off, the packed forward must still be refused."""
     from hf_blockdiag_cp.model import prepare
+    from hf_blockdiag_cp.recurrent.install import uninstall_recurrent
 
     monkeypatch.setattr(prepare, "packing_refusal", lambda model: None)
     stock, ours, docs = _pair("mamba")
+    uninstall_recurrent(ours)
     ids = docs[2][None]
     torch.testing.assert_close(ours(ids).logits, stock(ids).logits, atol=1e-6, rtol=0)  # unpacked: fine
     with pytest.raises(NotImplementedError, match="never called it in a forward with packed position_ids"):
@@ -166,8 +168,8 @@ MIXES = "carry state across the whole row"
 ROW_POSITIONS = "forward takes no position_ids"
 
 
-@pytest.mark.parametrize("model_type,cause", [("mamba", MIXES), ("bamba", MIXES), ("qwen3_next", MIXES),
-                                              ("lfm2", MIXES), ("bart", ROW_POSITIONS), ("marian", ROW_POSITIONS)])
+@pytest.mark.parametrize("model_type,cause", [("xlstm", MIXES), ("minimax", MIXES), ("recurrent_gemma", MIXES),
+                                              ("bart", ROW_POSITIONS), ("marian", ROW_POSITIONS)])
 def test_models_that_mix_documents_outside_attention_are_refused(model_type, cause):
     message = _refusal(model_type)
     assert model_type in message and cause in message
@@ -181,7 +183,7 @@ def test_refused_mixers_still_run_one_document_per_row():
 
 
 def test_mixers_refuse_context_parallel_shards_even_with_one_document():
-    _, ours, docs = _pair("mamba")
+    _, ours, docs = _pair("xlstm")
     ids = docs[2][None]
     ctx = BlockDiagCPContext.build(torch.ones(ids.shape[1] - 1, dtype=torch.long), cp_rank=0, cp_size=1)
     object.__setattr__(ctx, "cp_size", 2)  # what a CP rank's context looks like to the model-level guard

@@ -240,3 +240,12 @@ def test_argument_mistakes_end_before_the_ranks_start_work_with_the_line_last_in
 
     failure = ProcessFailure(local_rank=0, pid=1, exitcode=2, error_file=str(error_file))
     assert failure.message == f"error: {message}"  # what torchrun prints as the root cause's last line
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_example_with_a_tiny_hybrid_model_keeps_parity(tmp_path):
+    # Issue 24: Qwen3-Next (gated delta rule + convolution layers, state passed between the CP ranks).
+    result = _launch(tmp_path, "--cp-size", "2", "--seq-len", "512", "--steps", "2", "--max-docs", "24",
+                     "--model", "configs/model/tiny-qwen3-next.json", "--check-parity", launcher=False)
+    assert result["parity"]["abs_loss_diff"] <= 1e-5 and result["parity"]["max_grad_diff"] <= 1e-4

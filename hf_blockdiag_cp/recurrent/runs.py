@@ -1,0 +1,98 @@
+"""The fragments of one forward's local rows: where each recurrent scan starts and stops (host data).
+
+A *fragment* is a maximal stretch of a rank's local rows that is one piece of one document and consecutive in
+the full row. At CP = 1 the fragments are the documents; under CP a document split over ranks (or placed in
+several pieces on one rank, zigzag / balanced) has several, and each one after the first continues the state
+of the one before it. Computed once per forward by the model's pre-hook (:mod:`hf_blockdiag_cp.model.prepare`)
+from the forward's arguments, on the host, and read by every recurrent layer of that forward (and of its
+activation-checkpoint recompute).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ..errors import UnsupportedModel
+from ..planning.documents import doc_ids_from_flattening, doc_ids_from_position_ids
+from ..planning.fragments import Fragment, FragmentPlan, local_fragments, plan_fragments
+
+__all__ = ["Fragment", "LocalRuns", "local_runs"]
+
+
+@dataclass(frozen=True, eq=False)
+class LocalRuns:
+    """The fragments of every local row, in row order.
+
+    Attributes:
+        rows: per batch row, its fragments in local order (they tile ``[0, local_len)``).
+        local_len: local rows per batch row.
+        cp_size: the CP group size of the step (1: whole rows).
+        plan: the step's :class:`~hf_blockdiag_cp.planning.fragments.FragmentPlan` (CP > 1).
+        context: the step's ``cp_context`` (CP > 1: its group, rank and runtime).
+    """
+
+    rows: tuple[tuple[Fragment, ...], ...]
+    local_len: int
+    cp_size: int = 1
+    plan: FragmentPlan | None = None
+    context: Any = None
+
+    @property
+    def batch_size(self) -> int:
+        return len(self.rows)
+
+    @property
+    def fragments(self) -> tuple[Fragment, ...]:
+        return tuple(f for row in self.rows for f in row)
+
+
+def local_runs(named: dict[str, Any], packed: bool) -> LocalRuns | None:
+    """The fragments of a forward with arguments ``named`` (``None``: one document per row, nothing to split).
+
+    Args:
+        named: the forward's arguments by name (``cp_context``, ``cu_seq_lens_q/k``, ``seq_idx``,
+            ``position_ids``, ``input_ids``).
+        packed: whether the batch puts more than one document in a row (:func:`~hf_blockdiag_cp.model.batch.packing`).
+    """
+    ctx = named.get("cp_context")
+    if ctx is not None:
+        index = ctx.local_index.to(torch.int64)
+        rows = local_fragments(ctx.doc_ids, index)
+        if ctx.cp_size == 1:
+            return LocalRuns(rows, index.numel())
+        if ctx.ulysses_size > 1:
+            raise UnsupportedModel(
+                "recurrent layers under the head-parallel layout (ulysses_size > 1) are not implemented: blockdiag_cp "
+                "passes their states between sequence shards only; use ulysses_size=1 for hybrid models")
+        plan = _cached_plan(ctx)
+        return LocalRuns(rows, index.numel(), ctx.cp_size, plan, ctx)
+    if not packed:
+        return None
+    position_ids = named.get("position_ids")
+    cu = named.get("cu_seq_lens_k", named.get("cu_seq_lens_q"))
+    seq_idx = named.get("seq_idx")
+    if cu is not None or seq_idx is not None:
+        like = next(t for t in (named.get("input_ids"), named.get("inputs_embeds"), position_ids) if t is not None)
+        length = like.shape[1]
+        if like.shape[0] != 1:
+            raise ValueError(f"cu_seq_lens_* / seq_idx describe one flattened row, but the batch has {like.shape[0]}")
+        ids = doc_ids_from_flattening(
+            length, cu_seq_lens_q=named.get("cu_seq_lens_q"), cu_seq_lens_k=named.get("cu_seq_lens_k"),
+            seq_idx=None if seq_idx is None else seq_idx.reshape(-1),
+            position_ids=None if position_ids is None else position_ids.reshape(-1))[None]
+    else:
+        ids = doc_ids_from_position_ids(position_ids)
+    return LocalRuns(local_fragments(ids, torch.arange(ids.shape[1])), ids.shape[1])
+
+
+def _cached_plan(ctx: Any) -> FragmentPlan:
+    """The step's fragment plan, planned once per step and kept in the step's runtime (shared by device copies)."""
+    from ..runtime import step_runtime  # the runtime module imports the context, which imports planning
+
+    runtime = step_runtime(ctx)
+    if runtime.fragments is None:
+        runtime.fragments = plan_fragments(ctx.doc_ids, ctx.placement.index)
+    return runtime.fragments

@@ -1,0 +1,236 @@
+"""Context parallelism for recurrent layers: fragment summaries in one all-gather per layer and direction.
+
+Every rank runs the model's own function (:mod:`.install`) on each of its fragments from a zero state. A fragment
+that a later fragment of its document follows (:class:`~hf_blockdiag_cp.planning.fragments.FragmentPlan`) sends
+a summary of fixed size; a fragment that continues a document composes the summaries of the earlier fragments in
+document order, in fp32, and is run again from the state so composed. Summaries (``W`` floats each):
+
+- causal convolution (kernel ``K``, ``C`` channels): the fragment's last ``K - 1`` inputs, ``W = C (K - 1)``;
+  the receiver concatenates the earlier fragments' windows (a fragment shorter than ``K - 1`` contributes its
+  length) and keeps the last ``K - 1``, zeros before the document start;
+- Mamba2 / SSD (``H`` heads, state ``[H, P, N]``): the end state from zero and the total decay
+  ``exp(sum_t dt_t A)`` per head, ``W = H P N + H``; composed as ``S <- decay * S + S_0``;
+- gated delta rule / KDA (state ``[H, Dk, Dv]``): the end state from zero and the transition ``M [H, Dk, Dk]``
+  with ``S_end = M S_in + S_0``, ``W = H Dk Dv + H Dk Dk``; ``M`` is the model's own function run on the fragment
+  with zero values and the identity as initial state (the map is linear in the state).
+
+Each rank sends ``slots`` summaries (the same on every rank, padded), so the all-gather has one fixed shape:
+per layer and direction a rank sends ``(P - 1) * slots * W * 4`` bytes, whatever the row length. Autograd runs
+through the gather (its backward is a reduce-scatter, :class:`~hf_blockdiag_cp.distributed.exchange._AllGather`),
+through the composed states into the earlier fragments' inputs. Mamba1 (state ``[D, N]``, ``W = 2 D N``: end state
+and ``exp(A sum_t delta_t)``): transformers' scan takes no initial state, so a continuing fragment adds the
+incoming state's part ``C_t (exp(A cumsum delta) * S_in)`` (gated by ``silu(z)``) to its zero-state output.
+"""
+
+from __future__ import annotations
+
+import datetime
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+
+from ..distributed import CommStats
+from ..distributed.exchange import _AllGather
+from ..errors import UnsupportedModel
+from ..runtime import step_runtime
+from .functions import ScanFunction
+from .install import _time_axis, call_fragment
+from .runs import LocalRuns
+
+__all__ = ["run_cp", "summary_width"]
+
+
+@dataclass(frozen=True)
+class _Gather:
+    """What :class:`~hf_blockdiag_cp.distributed.exchange._AllGather` reads from an exchange."""
+
+    size: int
+    rank: int
+    group: Any
+    timeout: datetime.timedelta
+    stats: CommStats | None
+
+
+def summary_width(spec: ScanFunction, named: dict[str, Any]) -> int:
+    """``W``: floats in one fragment summary of this call (see the module docstring)."""
+    if spec.kind == "conv":
+        weight = named["weight"]
+        return weight.shape[0] * (weight.shape[-1] - 1)
+    if spec.kind == "ssd":
+        x, b = named["hidden_states"], named["B"]
+        heads = x.shape[2]
+        return heads * x.shape[3] * b.shape[3] + heads
+    if spec.kind == "selective":
+        return 2 * named["A"].numel()
+    key, value = named["key"], named["value"]
+    heads, dk, dv = value.shape[2], key.shape[3], value.shape[3]
+    return heads * dk * dv + heads * dk * dk
+
+
+def _selective_delta(named: dict[str, Any], row: int, start: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Mamba1's step sizes ``[1, D, T]`` of a fragment, as transformers' selective scan derives them, and ``A``."""
+    delta = named["dt"][row:row + 1].narrow(-1, start, length)
+    if named.get("delta_bias") is not None:
+        delta = delta + named["delta_bias"].to(delta.dtype)[..., None]
+    if named.get("delta_softplus"):
+        delta = torch.nn.functional.softplus(delta)
+    return delta, named["A"]
+
+
+def _selective_contribution(named: dict[str, Any], f: Any, state: torch.Tensor) -> torch.Tensor:
+    """What Mamba1's incoming state ``[1, D, N]`` adds to a fragment's outputs ``[1, D, T]``: ``C_t`` read of the
+    state decayed by ``exp(A * sum_{s<=t} delta_s)``, gated by ``silu(z)`` like the scan's own output."""
+    delta, a = _selective_delta(named, f.row, f.start, f.length)
+    c = named["C"][f.row:f.row + 1].narrow(-1, f.start, f.length).float()  # [1, N, T]
+    decay = torch.exp(a.float()[None, :, None, :] * delta.float().cumsum(-1)[..., None])  # [1, D, T, N]
+    out = torch.einsum("bdtn,bnt,bdn->bdt", decay, c, state.float())
+    z = named.get("z")
+    if z is not None:
+        out = out * torch.nn.functional.silu(z[f.row:f.row + 1].narrow(-1, f.start, f.length).float())
+    return out.to(named["hidden_states"].dtype)
+
+
+def _state_shapes(spec: ScanFunction, named: dict[str, Any]) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """Shapes of the end state and of the transition (per fragment, batch 1)."""
+    if spec.kind == "selective":
+        a = named["A"]
+        return (1, *a.shape), (1, *a.shape)
+    if spec.kind == "ssd":
+        x, b = named["hidden_states"], named["B"]
+        return (1, x.shape[2], x.shape[3], b.shape[3]), (1, x.shape[2])
+    key, value = named["key"], named["value"]
+    return (1, value.shape[2], key.shape[3], value.shape[3]), (1, value.shape[2], key.shape[3], key.shape[3])
+
+
+def _transition(spec: ScanFunction, original: Callable, named: dict[str, Any], row: int, start: int,
+                length: int) -> torch.Tensor:
+    """The fragment's state map as a tensor: SSD ``[1, H]`` decay, delta rule ``[1, H, Dk, Dk]`` ``M``."""
+    end_shape, _ = _state_shapes(spec, named)
+    if spec.kind == "selective":
+        delta, a = _selective_delta(named, row, start, length)
+        return torch.exp(a.float()[None] * delta.float().sum(-1)[..., None])  # [1, D, N]
+    if spec.kind == "ssd":
+        x = named["hidden_states"]
+        zero = {"hidden_states": lambda t: torch.zeros_like(t)}
+        ones = torch.ones(end_shape, dtype=torch.float32, device=x.device)
+        _, end = call_fragment(spec, original, named, row, start, length, ones, True, zero)
+        return end[..., 0, 0].float()
+    key = named["key"]
+    dk = key.shape[3]
+    zero = {"value": lambda t: t.new_zeros(*t.shape[:3], dk)}
+    eye = torch.eye(dk, dtype=torch.float32, device=key.device).expand(1, end_shape[1], dk, dk).contiguous()
+    _, end = call_fragment(spec, original, named, row, start, length, eye, True, zero)
+    return end.float()
+
+
+def _conv_window(x: torch.Tensor, width: int) -> torch.Tensor:
+    """The last ``width`` inputs of ``x [1, C, T]`` as ``[C, width]`` fp32, zeros on the left when ``T < width``."""
+    tail = x[0, :, max(0, x.shape[-1] - width):].float()
+    return torch.nn.functional.pad(tail, (width - tail.shape[-1], 0))
+
+
+def run_cp(spec: ScanFunction, original: Callable, runs: LocalRuns, named: dict[str, Any]) -> Any:
+    """One recurrent call on a CP shard (``runs.cp_size > 1``): see the module docstring."""
+    plan, ctx = runs.plan, runs.context
+    rank = ctx.cp_rank
+    if spec.state_flag is not None and named.get(spec.state_flag):
+        raise UnsupportedModel(f"{spec.name}: a final state (a cache) under context parallelism is not "
+                                  "implemented; pass use_cache=False when training")
+    frags = plan.fragments[rank]
+    sources = plan.sources[rank]
+    sending = set(plan.send[rank])
+    width = summary_width(spec, named)
+    outputs: dict[int, torch.Tensor] = {}
+    summaries: list[torch.Tensor] = []
+    for i, f in enumerate(frags):
+        if spec.kind == "conv":
+            if not f.continues:
+                outputs[i], _ = call_fragment(spec, original, named, f.row, f.start, f.length)
+            continue
+        if f.continues and i not in sending and spec.kind != "selective":
+            continue
+        out, end = call_fragment(spec, original, named, f.row, f.start, f.length, None,
+                                 True if i in sending else None)
+        if not f.continues or spec.kind == "selective":  # Mamba1 adds the incoming state's part later
+            outputs[i] = out
+        if i in sending:
+            summaries.append(torch.cat([end.float().flatten(),
+                                        _transition(spec, original, named, f.row, f.start, f.length).flatten()
+                                        if f.continues else end.new_zeros(width - end.numel()).float()]))
+    if spec.kind == "conv":
+        k1 = named["weight"].shape[-1] - 1
+        x = named["hidden_states"]
+        summaries = [_conv_window(x[f.row:f.row + 1].narrow(-1, f.start, f.length), k1).flatten()
+                     for f in (frags[i] for i in plan.send[rank])]
+    gathered = None
+    if plan.slots:
+        device = next(v for v in named.values() if isinstance(v, torch.Tensor)).device
+        buffer = torch.zeros(plan.slots, width, dtype=torch.float32, device=device)
+        if summaries:
+            buffer = torch.cat([torch.stack(summaries), buffer[len(summaries):]])
+        if torch.is_grad_enabled() and not buffer.requires_grad:
+            # A rank that sends nothing differentiable must still join the gather's backward (a reduce-scatter).
+            buffer.requires_grad_()
+        gather = _Gather(ctx.cp_size, rank, ctx.group, datetime.timedelta(seconds=ctx.config.collective_timeout_s),
+                         step_runtime(ctx).comm)
+        gathered = _AllGather.apply(buffer, gather)  # [P * slots, W]
+    for i, srcs in sources.items():
+        f = frags[i]
+        rows = [gathered[r * plan.slots + s] for r, s in srcs]
+        if spec.kind == "conv":
+            outputs[i] = _continue_conv(spec, original, named, f, rows, [plan.fragments[r][plan.send[r][s]].length
+                                                                         for r, s in srcs])
+        elif spec.kind == "selective":
+            outputs[i] = outputs[i] + _selective_contribution(named, f, _compose(spec, named, rows))
+        else:
+            state = _compose(spec, named, rows)
+            value = named["hidden_states" if spec.kind == "ssd" else "value"]
+            outputs[i], _ = call_fragment(spec, original, named, f.row, f.start, f.length,
+                                          state.to(torch.float32 if spec.kind == "ssd" else value.dtype))
+    rows_out = []
+    for row in range(runs.batch_size):
+        pieces = [outputs[i] for i, f in enumerate(frags) if f.row == row]
+        rows_out.append(torch.cat(pieces, dim=_time_axis(pieces[0], spec.out_dim)) if len(pieces) > 1 else pieces[0])
+    out = torch.cat(rows_out, dim=0) if len(rows_out) > 1 else rows_out[0]
+    if gathered is not None:
+        # Every rank must run the gather's backward (a collective), also one whose fragments use none of it.
+        out = out + (gathered.sum() * 0).to(out.dtype)
+    return (out, None) if spec.returns_tuple else out
+
+
+def _compose(spec: ScanFunction, named: dict[str, Any], rows: list[torch.Tensor]) -> torch.Tensor:
+    """The state entering a fragment: the earlier fragments' summaries folded in document order (fp32)."""
+    end_shape, transition_shape = _state_shapes(spec, named)
+    n = 1
+    for d in end_shape:
+        n *= d
+    state = None
+    for summary in rows:
+        end = summary[:n].view(end_shape)
+        if state is None:  # the document's first fragment: its state from zero is the state
+            state = end
+            continue
+        transition = summary[n:].view(transition_shape)
+        if spec.kind == "ssd":
+            state = transition[..., None, None] * state + end
+        elif spec.kind == "selective":
+            state = transition * state + end
+        else:
+            state = transition @ state + end
+    return state
+
+
+def _continue_conv(spec: ScanFunction, original: Callable, named: dict[str, Any], f: Any, rows: list[torch.Tensor],
+                   lengths: list[int]) -> torch.Tensor:
+    """The convolution of a continuing fragment: its inputs preceded by the document's last ``K - 1`` earlier ones."""
+    weight = named["weight"]
+    k1 = weight.shape[-1] - 1
+    channels = weight.shape[0]
+    parts = [row.view(channels, k1)[:, k1 - min(n, k1):] for row, n in zip(rows, lengths)]
+    window = torch.cat(parts, dim=-1)[:, -k1:] if parts else weight.new_zeros(channels, 0)
+    window = torch.nn.functional.pad(window, (k1 - window.shape[-1], 0))
+    x = named["hidden_states"][f.row:f.row + 1].narrow(-1, f.start, f.length)
+    extended = torch.cat([window[None].to(x.dtype), x], dim=-1)
+    out, _ = call_fragment(spec, original, {**named, "hidden_states": extended}, 0, 0, f.length + k1)
+    return out[..., k1:]

@@ -1,0 +1,93 @@
+"""Issue 24, CP = 1: recurrent mixers restart at every document start for every packed batch form.
+
+Reference: each document alone through the unmodified model (stock attention, no packing, transformers' own
+torch scans). Compared: the packed row through ``blockdiag_cp`` (packed ``position_ids``, ``cu_seq_lens_*`` from
+``DataCollatorWithFlattening``, ``PackingCollator`` batches) — logits and every parameter's gradient. One family
+per kind of mixer: gated delta rule, KDA, Mamba2/SSD, Mamba1 (a layer that drops the model's kwargs), short conv.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+
+import pytest
+import torch
+
+from hf_blockdiag_cp.conformance.configs import tiny_config
+from hf_blockdiag_cp.conformance.runs import (
+    VARIANTS,
+    build_model,
+    grad_error,
+    make_documents,
+    packed_inputs,
+    packed_run,
+    reference_run,
+)
+from hf_blockdiag_cp.model.detect import packing_refusal
+from hf_blockdiag_cp.recurrent.functions import COMPOSITES, FUSED, SCANS, mixer_functions
+from hf_blockdiag_cp.recurrent.install import INSTALLED_ATTR, check_signature, uninstall_recurrent
+
+FAST = ("qwen3_next", "bamba", "mamba", "lfm2")
+SLOW = ("kimi_linear", "jamba", "nemotron_h", "olmo_hybrid")
+
+
+def _check(model_type: str) -> None:
+    config = tiny_config(model_type)
+    stock = build_model(config, None)
+    ours = build_model(config, "blockdiag_cp")
+    docs = make_documents(config)
+    ref_logits, ref_grads = reference_run(stock, docs)
+    for variant in VARIANTS:
+        logits, grads = packed_run(ours, docs, packed_inputs(docs, variant, config.pad_token_id or 0))
+        err = (logits - ref_logits).abs().max().item() / ref_logits.abs().max().item()
+        assert err < 1e-5, f"{model_type} {variant}: logits differ by {err:.2e}"
+        assert grad_error(grads, ref_grads) < 1e-4, f"{model_type} {variant}: gradients differ"
+
+
+@pytest.mark.parametrize("model_type", FAST)
+def test_packed_rows_equal_each_document_alone(model_type: str) -> None:
+    _check(model_type)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model_type", SLOW)
+def test_packed_rows_equal_each_document_alone_more_families(model_type: str) -> None:
+    _check(model_type)
+
+
+def test_without_the_per_document_scans_packing_leaks() -> None:
+    """The control: the same packed row with the served forwards removed differs from the reference."""
+    config = tiny_config("qwen3_next")
+    stock = build_model(config, None)
+    ours = build_model(config, "blockdiag_cp")
+    docs = make_documents(config)
+    ref_logits, _ = reference_run(stock, docs)
+    uninstall_recurrent(ours)
+    assert packing_refusal(ours) is None  # refusal decided at load; the scans are what keeps documents apart
+    inputs = {k: v for k, v in packed_inputs(docs, "position_ids").items() if not k.startswith("_")}
+    with torch.no_grad():
+        logits = ours(**inputs, use_cache=False).logits[0]
+    assert (logits - ref_logits).abs().max() > 1e-3
+
+
+@pytest.mark.parametrize("model_type", [*FAST, *SLOW, "qwen3_5_text", "zamba2", "mamba2", "falcon_mamba",
+                                        "granitemoehybrid", "falcon_h1", "lfm2_moe"])
+def test_mixers_are_served_and_transformers_names_still_match(model_type: str) -> None:
+    """Every recurrent mixer's replaceable functions are known, the served ones have the parameters the package
+    binds, and they were replaced on the instance (a transformers rename fails here)."""
+    model = build_model(tiny_config(model_type), "blockdiag_cp")
+    assert packing_refusal(model) is None
+    mixers = [m for m in model.modules() if mixer_functions(m) and any(n in SCANS for n in mixer_functions(m))]
+    assert mixers, f"{model_type}: no mixer with a served scan (transformers renamed the functions?)"
+    module = importlib.import_module(type(mixers[0]).__module__)
+    for mixer in mixers:
+        for name, wrapper in mixer_functions(mixer).items():
+            assert name in SCANS or name in COMPOSITES or name in FUSED, f"{model_type}: unknown function {name}"
+            if name in SCANS:
+                assert INSTALLED_ATTR in wrapper.__dict__
+    for fn in vars(module).values():
+        name = getattr(fn, "kernel_layer_name", None)
+        if name in SCANS and not isinstance(fn, type):
+            original = inspect.getclosurevars(type(fn).forward).nonlocals["func"]
+            check_signature(SCANS[name], original)

@@ -1,0 +1,171 @@
+"""Issue 24, CP > 1: recurrent layers pass fragment states between gloo ranks, exactly.
+
+A full tiny training step of hybrid models (gated delta rule + convolution: qwen3_next; Mamba2/SSD + convolution,
+no attention layer: bamba; short convolution: lfm2; Mamba1, whose layers drop the model's kwargs: mamba)
+on P = 2 and 4 ranks, with documents split into several fragments (contiguous, zigzag, balanced placements), a
+rank holding only padding, activation checkpointing and bf16 autocast, equals each document run alone through the
+unmodified model: logits of every rank mapped back
+through ``local_index`` and parameter gradients all-reduced over the ranks. The bytes the recurrent all-gathers
+move equal the formula of docs/layouts.md. The fragment plan is checked against a brute-force enumeration.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hf_blockdiag_cp.planning.fragments import plan_fragments
+from hf_blockdiag_cp.planning.placement import make_placement
+from tests.launch import run_ranks
+
+SEQ_LEN = 48  # divisible by 2P for zigzag at P = 2, 4
+LAYOUTS = {
+    "mixed": [5, 21, 1, 9, 12],  # 48 tokens: the 21-token document spans several ranks
+    "one_doc": [48],  # one document in P (contiguous) or 2P (zigzag) fragments
+    "mostly_padding": [10, 4],  # 34 padding tokens: at P = 4 the last ranks hold only padding
+}
+# (model type, placement, activation checkpointing, bf16 autocast)
+CASES = [
+    ("qwen3_next", "contiguous", False, False),
+    ("qwen3_next", "zigzag", True, False),
+    ("qwen3_next", "balanced", False, True),
+    ("bamba", "zigzag", False, False),
+    ("bamba", "contiguous", True, False),
+    ("lfm2", "balanced", False, False),
+    ("mamba", "contiguous", True, False),
+]
+
+
+def _docs(lengths: list[int], vocab: int) -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(7)
+    return [torch.randint(3, vocab, (n,), generator=gen) for n in lengths]
+
+
+def _alone(model: torch.nn.Module, docs: list[torch.Tensor], bf16: bool) -> tuple:
+    """Each document alone through the unmodified model: ``(logits [T, V] in row order, grads)``."""
+    count = sum(len(d) - 1 for d in docs)
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+        logits = [model(d[None], use_cache=False).logits[0].float() for d in docs]
+    loss = sum(torch.nn.functional.cross_entropy(lg[:-1], d[1:], reduction="sum") for lg, d in zip(logits, docs))
+    (loss / count).backward()
+    return torch.cat(logits).detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+def expected_bytes(model: torch.nn.Module, slots: int, cp_size: int) -> int:
+    """Bytes one rank sends in one forward's recurrent all-gathers (docs/layouts.md): per served call
+    ``(P - 1) * slots * W * 4``; SSD mixers: ``W = C (K - 1)`` (conv) and ``H P N + H`` (scan)."""
+    total = 0
+    for module in model.modules():
+        if hasattr(module, "ssm_state_size") and hasattr(module, "conv1d") and hasattr(module, "num_heads"):
+            channels, _, kernel = module.conv1d.weight.shape
+            heads, head_dim, state = module.num_heads, module.head_dim, module.ssm_state_size
+            total += (cp_size - 1) * slots * 4 * (channels * (kernel - 1) + heads * head_dim * state + heads)
+    return total
+
+
+def _worker(rank: int, world: int) -> dict:
+    import torch.distributed as dist
+
+    import hf_blockdiag_cp as bd
+    from hf_blockdiag_cp import comm_stats
+    from hf_blockdiag_cp.conformance.configs import tiny_config
+    from hf_blockdiag_cp.conformance.runs import build_model
+    from hf_blockdiag_cp.recurrent.runs import _cached_plan
+
+    report = {}
+    configs = {kind: tiny_config(kind) for kind in {c[0] for c in CASES}}
+    for layout, lengths in LAYOUTS.items():
+        for kind, placement, checkpointing, bf16 in CASES:
+            config = configs[kind]
+            docs = _docs(lengths, config.vocab_size)
+            ref_logits, ref_grads = _alone(build_model(config, None).train(), docs, bf16)
+            model = build_model(config, "blockdiag_cp").train()
+            if checkpointing:
+                model.activation_checkpointing_enable()
+            collator = bd.PackingCollator(SEQ_LEN, group=dist.group.WORLD, pad_token_id=0, placement=placement,
+                                          config=bd.BlockDiagCPConfig(collective_timeout_s=60))
+            batch = collator([{"input_ids": d.tolist()} for d in docs])
+            ctx = batch["cp_context"]
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+                out = model(**batch)
+            sent_forward = sum(s for phase, s, _ in comm_stats(ctx).per_call if phase == "forward")
+            out.loss.backward()
+            for p in model.parameters():
+                dist.all_reduce(p.grad)
+            key = f"{layout}/{kind}/{placement}/ckpt={checkpointing}/bf16={bf16}"
+            real = ctx.doc_ids[0, ctx.local_index] != 0
+            tol = dict(rtol=3e-2, atol=3e-2) if bf16 else dict(rtol=1e-4, atol=1e-5)
+            torch.testing.assert_close(out.logits[0][real].float(), ref_logits[ctx.local_index[real]], **tol,
+                                       msg=lambda m: f"{key} logits vs documents alone: {m}")
+            gtol = dict(rtol=5e-2, atol=5e-3) if bf16 else dict(rtol=1e-4, atol=1e-6)
+            for name, p in model.named_parameters():
+                torch.testing.assert_close(p.grad, ref_grads[name], **gtol,
+                                           msg=lambda m, n=name: f"{key} grad {n} vs documents alone: {m}")
+            plan = _cached_plan(ctx)
+            report[key] = dict(slots=plan.slots, continuing=len(plan.sources[rank]), padding_only=not bool(real.any()),
+                               sent_forward=sent_forward,
+                               expected=expected_bytes(model, plan.slots, world))
+    return report
+
+
+def _check(reports: list[dict], world: int) -> None:
+    continuing = sum(r[k]["continuing"] for r in reports for k in r)
+    assert continuing > 0, "no fragment continued a document: the state passing was not exercised"
+    for key in reports[0]:
+        if "/bamba/" in key:  # no attention layer: every byte is the recurrent all-gathers'
+            for r in reports:
+                assert r[key]["sent_forward"] == r[key]["expected"], (key, r[key])
+    if world == 4:
+        assert any(r[k]["padding_only"] for r in reports for k in r if k.startswith("mostly_padding"))
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+@pytest.mark.parametrize("world", [2, 4])
+def test_training_step_matches_documents_alone(world: int) -> None:
+    _check(run_ranks(_worker, world, timeout=900), world)
+
+
+def _brute_sources(ids: torch.Tensor, index: torch.Tensor) -> dict:
+    """For every (rank, local start) of a continuing piece: the (rank, local start) of the earlier pieces."""
+    pieces = []  # (row, doc start, global start, rank, local start)
+    size, local_len = index.shape
+    for b in range(ids.shape[0]):
+        row = ids[b].tolist()
+        starts = [0] + [t for t in range(1, len(row)) if row[t] != row[t - 1]]
+        doc_start = {t: max(s for s in starts if s <= t) for t in range(len(row))}
+        for r in range(size):
+            pos = index[r].tolist()
+            for i, g in enumerate(pos):
+                if i == 0 or row[g] != row[pos[i - 1]] or g != pos[i - 1] + 1:
+                    if row[g] != 0:
+                        pieces.append((b, doc_start[g], g, r, i))
+    out = {}
+    for b, ds, g, r, i in pieces:
+        earlier = sorted(p for p in pieces if p[0] == b and p[1] == ds and p[2] < g)
+        if earlier:
+            out[(r, i)] = [(p[3], p[4]) for p in earlier]
+    return out
+
+
+@pytest.mark.parametrize("kind", ["contiguous", "zigzag", "balanced"])
+@pytest.mark.parametrize("size", [2, 3, 4])
+def test_fragment_plan_matches_brute_force(kind: str, size: int) -> None:
+    gen = torch.Generator().manual_seed(size)
+    for trial in range(10):
+        length = 2 * size * 12
+        cuts = sorted(torch.randperm(length - 1, generator=gen)[: int(torch.randint(1, 8, (1,), generator=gen))] + 1)
+        ids = torch.zeros(length, dtype=torch.int64)
+        for n, c in enumerate(cuts):
+            ids[c:] = n + 1 if n < len(cuts) - 1 or trial % 2 else 0  # odd trials end in padding
+        ids = (ids + 1)[None] if trial % 3 == 0 else ids[None]
+        placement = make_placement(ids[0], size, kind)
+        plan = plan_fragments(ids, placement.index)
+        expected = _brute_sources(ids, placement.index)
+        got = {}
+        for r in range(size):
+            for i, sources in plan.sources[r].items():
+                got[(r, plan.fragments[r][i].start)] = [(sr, plan.fragments[sr][plan.send[sr][s]].start)
+                                                        for sr, s in sources]
+        assert got == expected
+        assert plan.slots == max(len(s) for s in plan.send)
