@@ -6,6 +6,10 @@ the function transformers calls when no kernel library is installed (which canno
 is the cost floor the acceptance compares against: ratio <= 1.5). Forward + backward (every input requires grad),
 one thread, median of ``--repeats`` after one warm-up. Tiny head sizes, like the test configs.
 
+transformers' Mamba1 fallback (``mamba_selective_scan``) indexes one token per step out of full-length tensors,
+so its backward is quadratic in the length (about 10 s at 2K tokens, hours at 16K): time ``mamba1`` with
+``--forward-only`` at 16K, or fwd+bwd with ``--tokens 2048``.
+
     python benchmarks/bench_recurrent_ops.py                      # 16K tokens, 8 docs, all ops
     python benchmarks/bench_recurrent_ops.py --tokens 4096 --ops ssd gdn --forward-only
 """

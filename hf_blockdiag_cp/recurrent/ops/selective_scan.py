@@ -6,8 +6,10 @@ State ``[N, D, S]``. With ``delta`` after ``+ delta_bias`` and ``softplus`` (whe
     h_t = exp(delta_t A) h_{t-1} + delta_t u_t B_t,      y_t = (h_t C_t + D u_t) * silu(z_t)
 
 The state is diagonal, so the chunked form is a two-level scan: a loop over the ``L`` positions that runs all chunks
-at once from a zero state, then a loop over chunk steps that carries each sequence's state. Python does
-``L + max chunks per sequence`` iterations, never one per token.
+at once from a zero state (their end states), a loop over chunk steps that carries each sequence's state to each
+chunk start, and the positions again from those starts to read the outputs. Python does
+``2 L + max chunks per sequence`` iterations, never one per token, and nothing of size ``[T, D, S]`` is kept but
+what autograd saves.
 """
 
 from __future__ import annotations
@@ -52,18 +54,24 @@ def selective_scan(u: torch.Tensor, delta: torch.Tensor, A: torch.Tensor, B: tor
     layout = chunk_layout(lens, chunk_size, u.device)
     u_T = u.reshape(-1, channels).to(dtype)
     d_T = _delta(delta.reshape(-1, channels), delta_bias, delta_softplus, dtype)
-    a_c = layout.to_chunks(d_T[:, :, None] * A.to(dtype))  # [C, L, D, S] log decay (0 in padding)
+    A_ = A.to(dtype)
+    d_c = layout.to_chunks(d_T)  # [C, L, D]; padding slots have delta = 0: no decay, no input
+    du_c = layout.to_chunks(d_T * u_T)  # [C, L, D]
     B_c = layout.to_chunks(B.reshape(-1, state_size).to(dtype))  # [C, L, S]
     C_c = layout.to_chunks(C.reshape(-1, state_size).to(dtype))
-    du_c = layout.to_chunks(d_T * u_T)  # [C, L, D]
-    step_decay = a_c.exp()
-    h = du_c.new_zeros(layout.n_chunks, channels, state_size)
-    intra = []
-    for pos in range(layout.chunk_size):  # all chunks at once, from a zero state
-        h = step_decay[:, pos] * h + du_c[:, pos, :, None] * B_c[:, pos, None, :]
-        intra.append(h)
-    h_intra = torch.stack(intra, dim=1)  # [C, L, D, S]
-    acum = a_c.cumsum(dim=1)
+
+    def scan_positions(h: torch.Tensor, read: bool) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """All chunks at once over the L positions from states h [C, D, S]; outputs y [C, D] per position."""
+        ys = []
+        for pos in range(layout.chunk_size):
+            h = torch.exp(d_c[:, pos, :, None] * A_) * h + du_c[:, pos, :, None] * B_c[:, pos, None, :]
+            if read:
+                ys.append(torch.einsum("cds,cs->cd", h, C_c[:, pos]))
+        return h, ys
+
+    # pass 1: each chunk's end state from zero, and its total decay exp(A * sum delta)
+    chunk_state, _ = scan_positions(du_c.new_zeros(layout.n_chunks, channels, state_size), read=False)
+    chunk_decay = torch.exp(d_c.sum(dim=1)[:, :, None] * A_)  # [C, D, S]
     n_seq = len(lens)
     if initial_state is None:
         state0 = u_T.new_zeros(n_seq, channels, state_size)
@@ -72,15 +80,15 @@ def selective_scan(u: torch.Tensor, delta: torch.Tensor, A: torch.Tensor, B: tor
             raise ValueError(f"initial_state must be [N={n_seq}, D={channels}, S={state_size}], "
                              f"got {tuple(initial_state.shape)}")
         state0 = initial_state.to(dtype)
-    chunk_decay = acum[:, -1].exp()  # [C, D, S]
 
     def step(j: int, rows: slice, state: torch.Tensor) -> torch.Tensor:
-        return chunk_decay[rows] * state + h_intra[rows, -1]
+        return chunk_decay[rows] * state + chunk_state[rows]
 
     entering, final = scan_states(layout, state0.index_select(0, layout.order), step)
     if entering:
-        h_all = h_intra + acum.exp() * torch.cat(entering, 0)[:, None]
-        y_c = torch.einsum("clds,cls->cld", h_all, C_c)
+        # pass 2: rerun the positions from each chunk's true start state, reading the outputs
+        _, ys = scan_positions(torch.cat(entering, 0), read=True)
+        y_c = torch.stack(ys, dim=1)  # [C, L, D]
         y = _finish(layout.from_chunks(y_c), u_T, D, None if z is None else z.reshape(-1, channels))
     else:
         y = u_T.new_zeros(0, channels)
