@@ -32,7 +32,7 @@ def _boundary_index(seq_lens: list[int], width: int,
     last [N, K-1]: the small rows of each sequence's last K-1 inputs (its final state), x_rows [R]).
     """
     x_rows: dict[int, int] = {}  # packed row -> position in small
-    tokens, windows, last, refs = [], [], [], []
+    tokens, windows, last = [], [], []
     start = 0
     for s, n in enumerate(seq_lens):
         def ref(q: int) -> tuple[bool, int]:  # q: position in the sequence, negative = inside the incoming state
