@@ -118,13 +118,13 @@ def _time(fn, inputs: dict, backward: bool, repeats: int) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--tokens", type=int, default=16384)
-    parser.add_argument("--docs", type=int, default=8)
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--forward-only", action="store_true")
+    parser.add_argument("--tokens", type=int, default=16384, help="tokens in the packed row (default 16384)")
+    parser.add_argument("--docs", type=int, default=8, help="lognormal documents in the row (default 8)")
+    parser.add_argument("--repeats", type=int, default=3, help="timed calls per op, median reported (default 3)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the lengths and inputs")
+    parser.add_argument("--forward-only", action="store_true", help="time the forward only (no backward)")
     parser.add_argument("--ops", nargs="+", default=["conv", "ssd", "gdn", "kda", "mamba1"],
-                        choices=["conv", "ssd", "gdn", "kda", "mamba1"])
+                        choices=["conv", "ssd", "gdn", "kda", "mamba1"], help="ops to time (default: all)")
     args = parser.parse_args()
     torch.set_num_threads(1)
     warnings.filterwarnings("ignore")
