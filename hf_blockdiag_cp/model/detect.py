@@ -31,6 +31,7 @@ from transformers import PreTrainedModel
 from ..compat import can_set_attn_implementation, config_attn_implementation
 from ..config import ATTN_IMPLEMENTATION
 from ..errors import UnsupportedModel
+from ..recurrent.install import is_served
 
 __all__ = ["UnsupportedModel", "has_absolute_positions", "loss_refusal", "model_type", "packing_refusal",
            "padding_refusal", "refuse_bypassing_model", "require_blockdiag_cp", "uses_blockdiag_cp"]
@@ -77,8 +78,6 @@ def require_blockdiag_cp(model: torch.nn.Module, consequence: str, *, allow_unkn
 
 def packing_refusal(model: torch.nn.Module) -> str | None:
     """Why ``model`` cannot run packed rows with more than one document (or CP shards), or ``None``."""
-    from ..recurrent.install import is_served  # the recurrent package imports model/
-
     name_of_model = model_type(model)
     # Recurrent mixers run per document fragment (hf_blockdiag_cp.recurrent): they, their convolutions and the
     # blocks around them (MambaBlock, ...DecoderLayer) carry no state across documents any more.

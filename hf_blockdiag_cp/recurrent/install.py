@@ -23,8 +23,10 @@ from typing import Any, Callable
 import torch
 
 from ..errors import UnsupportedModel
+from .fragment_call import bind, call_fragment, time_axis
 from .functions import COMPOSITES, FUSED, SCANS, ScanFunction, mixer_functions
 from .runs import LocalRuns
+from .state_passing import run_cp
 
 __all__ = ["INSTALLED_ATTR", "install_recurrent", "is_served", "uninstall_recurrent", "unserved_functions"]
 
@@ -98,19 +100,6 @@ def _scan_forward(self: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
     return run_fragments(SCANS[self.__dict__[_NAME_KEY]], original, runs, args, kwargs)
 
 
-def bind(spec: ScanFunction, args: tuple, kwargs: dict[str, Any]) -> dict[str, Any]:
-    """The call's arguments by name (positional ones named by ``spec.params``)."""
-    if len(args) > len(spec.params):
-        raise TypeError(f"{spec.name} got {len(args)} positional arguments, blockdiag_cp knows {len(spec.params)}")
-    named = dict(zip(spec.params, args))
-    named.update(kwargs)
-    return named
-
-
-def _time_axis(tensor: torch.Tensor, dim: int) -> int:
-    return dim if dim >= 0 else tensor.dim() + dim
-
-
 def run_fragments(spec: ScanFunction, original: Callable, runs: LocalRuns, args: tuple,
                   kwargs: dict[str, Any]) -> Any:
     """Run the model's own function once per fragment, each from a zero state (CP = 1), and reassemble the rows.
@@ -124,12 +113,11 @@ def run_fragments(spec: ScanFunction, original: Callable, runs: LocalRuns, args:
         raise UnsupportedModel(f"{spec.name} got an initial state (a cache) with packed rows; blockdiag_cp "
                                   "trains packed rows without a cache (pass use_cache=False)")
     lead = named[next(iter(spec.time_args))]
-    length = lead.shape[_time_axis(lead, spec.time_args[next(iter(spec.time_args))])]
+    length = lead.shape[time_axis(lead, spec.time_args[next(iter(spec.time_args))])]
     if lead.shape[0] != runs.batch_size or length != runs.local_len:
         raise ValueError(f"{spec.name} got rows [B={lead.shape[0]}, T={length}] but this forward's packed batch has "
                          f"[B={runs.batch_size}, L={runs.local_len}]")
     if runs.cp_size > 1:
-        from .state_passing import run_cp
         return run_cp(spec, original, runs, named)
     want_state = bool(named.get(spec.state_flag)) if spec.state_flag else False
     rows_out, states = [], []
@@ -139,38 +127,12 @@ def run_fragments(spec: ScanFunction, original: Callable, runs: LocalRuns, args:
             out, state = call_fragment(spec, original, named, frag.row, frag.start, frag.length)
             pieces.append(out)
         states.append(state)
-        out_row = pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=_time_axis(pieces[0], spec.out_dim))
+        out_row = pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=time_axis(pieces[0], spec.out_dim))
         rows_out.append(out_row)
     out = rows_out[0] if len(rows_out) == 1 else torch.cat(rows_out, dim=0)
     if spec.returns_tuple:
         return out, (torch.cat(states, 0) if want_state else None)
     return (out, torch.cat(states, 0)) if want_state else out
-
-
-def call_fragment(spec: ScanFunction, original: Callable, named: dict[str, Any], row: int, start: int, length: int,
-                  initial_state: torch.Tensor | None = None, want_state: bool | None = None,
-                  replace: dict[str, Callable[[torch.Tensor], torch.Tensor]] | None = None
-                  ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The model's own function on rows ``[start, start + length)`` of batch row ``row``: ``(out, final state)``.
-
-    ``want_state``: ask for the final state (default: what the caller asked for). ``replace``: functions applied to
-    some of the fragment's inputs (e.g. zeros, to read a state transition off the model's own function).
-    """
-    sub = dict(named)
-    for name, dim in spec.time_args.items():
-        value = sub.get(name)
-        if isinstance(value, torch.Tensor):
-            sub[name] = value[row:row + 1].narrow(_time_axis(value, dim), start, length)
-    for name, fn in (replace or {}).items():
-        sub[name] = fn(sub[name])
-    if spec.state_in is not None:
-        sub[spec.state_in] = initial_state
-    if want_state is not None and spec.state_flag is not None:
-        sub[spec.state_flag] = want_state
-    result = original(**sub)
-    if isinstance(result, tuple):
-        return result[0], result[1]
-    return result, None
 
 
 def check_signature(spec: ScanFunction, function: Callable) -> None:

@@ -18,6 +18,7 @@ import torch
 from ..errors import UnsupportedModel
 from ..planning.documents import doc_ids_from_flattening, doc_ids_from_position_ids
 from ..planning.fragments import Fragment, FragmentPlan, local_fragments, plan_fragments
+from ..runtime import step_runtime
 
 __all__ = ["Fragment", "LocalRuns", "local_runs"]
 
@@ -90,8 +91,6 @@ def local_runs(named: dict[str, Any], packed: bool) -> LocalRuns | None:
 
 def _cached_plan(ctx: Any) -> FragmentPlan:
     """The step's fragment plan, planned once per step and kept in the step's runtime (shared by device copies)."""
-    from ..runtime import step_runtime  # the runtime module imports the context, which imports planning
-
     runtime = step_runtime(ctx)
     if runtime.fragments is None:
         runtime.fragments = plan_fragments(ctx.doc_ids, ctx.placement.index)

@@ -34,8 +34,8 @@ from ..distributed import CommStats
 from ..distributed.exchange import _AllGather
 from ..errors import UnsupportedModel
 from ..runtime import step_runtime
+from .fragment_call import call_fragment, time_axis
 from .functions import ScanFunction
-from .install import _time_axis, call_fragment
 from .runs import LocalRuns
 
 __all__ = ["run_cp", "summary_width"]
@@ -191,7 +191,7 @@ def run_cp(spec: ScanFunction, original: Callable, runs: LocalRuns, named: dict[
     rows_out = []
     for row in range(runs.batch_size):
         pieces = [outputs[i] for i, f in enumerate(frags) if f.row == row]
-        rows_out.append(torch.cat(pieces, dim=_time_axis(pieces[0], spec.out_dim)) if len(pieces) > 1 else pieces[0])
+        rows_out.append(torch.cat(pieces, dim=time_axis(pieces[0], spec.out_dim)) if len(pieces) > 1 else pieces[0])
     out = torch.cat(rows_out, dim=0) if len(rows_out) > 1 else rows_out[0]
     if gathered is not None:
         # Every rank must run the gather's backward (a collective), also one whose fragments use none of it.
