@@ -26,7 +26,7 @@ from .planning import PlanError, VarlenPlan, as_doc_ids, build_varlen_plan
 from .planning.exchange import ExchangePlan, plan_exchange
 from .planning.layout import HeadShape, LayoutPlan, plan_layout
 from .planning.placement import Placement, make_placement
-from .planning.fingerprint import fingerprint, plan_fingerprint, shard_checksum
+from .planning.fingerprint import fingerprint, plan_fingerprint, shard_checksums
 
 __all__ = ["BlockDiagCPContext"]
 
@@ -261,8 +261,10 @@ def _shard_checksums(placement: Placement, shape: torch.Size, input_ids: Any,
         ids = ids.expand(shape[0], -1) if ids.dim() == 1 else ids
         if ids.shape != shape:
             ids = None  # a shape the rows do not have: nothing to compare against
-    return tuple(tuple(-1 if full is None else int(shard_checksum(full[:, index])) for full in (ids, positions))
-                 for index in placement.index)
+    # One gather of the whole row into [B, P, L] and one weighted sum: no per-rank pass over the row.
+    sums = [[-1] * placement.cp_size if full is None else shard_checksums(full[:, placement.index])
+            for full in (ids, positions)]
+    return tuple(zip(*sums))
 
 
 def _check_group_size(group: Any, cp_size: int) -> None:

@@ -10,7 +10,8 @@ import torch
 
 from ..config import BACKENDS, KV_EXCHANGES, PLACEMENTS, BlockDiagCPConfig
 
-__all__ = ["PLAN_FIELDS", "PlanFingerprint", "describe_plan_field", "fingerprint", "plan_fingerprint", "shard_checksum"]
+__all__ = ["PLAN_FIELDS", "PlanFingerprint", "checksum_weights", "describe_plan_field", "fingerprint",
+           "plan_fingerprint", "shard_checksum", "shard_checksums"]
 
 
 def fingerprint(*parts: bytes) -> int:
@@ -95,15 +96,40 @@ def describe_plan_field(name: str, value: int) -> str:
 _CHECKSUM_MASK = (1 << 62) - 1
 
 
+#: Odd multiplier of the checksum's position weights (Knuth's multiplicative hash): ``i -> i * C mod 2**32`` is a
+#: bijection of ``[0, 2**32)``, so no two positions of a row shorter than ``2**32`` share a weight.
+_WEIGHT_MULTIPLIER = 2654435761
+_WEIGHT_MASK = (1 << 32) - 1
+
+
+def checksum_weights(length: int, device: torch.device | str | None = None) -> torch.Tensor:
+    """``[length]`` int64 position weights of :func:`shard_checksum`: ``(i * 2654435761 mod 2**32) + 1``.
+
+    A pure function of the position (every rank computes the same ones), distinct for every position below
+    ``2**32`` (two tokens swapped anywhere in a shard change the sum), in ``[1, 2**32]``.
+    """
+    index = torch.arange(length, device=device, dtype=torch.int64)
+    # The product may pass 2**63 for i >= 2**32 / 0.62; its low 32 bits are exact whatever the wrap.
+    return index.mul_(_WEIGHT_MULTIPLIER).bitwise_and_(_WEIGHT_MASK).add_(1)
+
+
 def shard_checksum(values: torch.Tensor) -> torch.Tensor:
     """A position-weighted int64 checksum of an integer tensor, computed where ``values`` lives.
 
     The collator's host copy of a rank's shard and the tensor a forward actually receives (on its device)
     give the same value, so ranks can compare them without a host read of the batch. It is a checksum
-    against edits and mix-ups, not a hash: ``sum((v + 1) * (i % 251 + 1)) * 1000003 + numel`` over the
-    flattened tensor (``[B, L]`` rows in order), wrapped to 62 bits. Returns a 0-d int64 tensor.
+    against edits and mix-ups, not a hash: ``sum((v + 1) * w(i)) * 1000003 + numel`` over the flattened
+    tensor (``[B, L]`` rows in order), with the non-repeating weights of :func:`checksum_weights`, in int64
+    arithmetic (wrapping) cut to 62 bits. Returns a 0-d int64 tensor.
     """
     flat = values.reshape(-1).to(torch.int64)
-    weights = torch.arange(flat.numel(), device=flat.device, dtype=torch.int64).remainder_(251).add_(1)
-    total = ((flat + 1) * weights).sum() * 1000003 + flat.numel()
+    total = ((flat + 1) * checksum_weights(flat.numel(), flat.device)).sum() * 1000003 + flat.numel()
     return total.bitwise_and(_CHECKSUM_MASK)
+
+
+def shard_checksums(rows: torch.Tensor) -> list[int]:
+    """:func:`shard_checksum` of every shard ``rows[:, r]`` of ``rows [B, P, L]`` in one vectorised pass."""
+    batch, ranks, local_len = rows.shape
+    weights = checksum_weights(batch * local_len).view(batch, 1, local_len)
+    total = ((rows.to(torch.int64) + 1) * weights).sum(dim=(0, 2)) * 1000003 + batch * local_len
+    return total.bitwise_and(_CHECKSUM_MASK).tolist()

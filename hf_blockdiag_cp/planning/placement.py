@@ -22,9 +22,11 @@ sliding window ``w``); a rank's work is the sum over its queries, averaged over 
 
 from __future__ import annotations
 
+import heapq
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from functools import cached_property
 
 import numpy as np
 import torch
@@ -36,6 +38,7 @@ from .varlen import PlanError, QueryPiece
 __all__ = [
     "PLACEMENTS",
     "Placement",
+    "PlacementRuns",
     "balanced_placement",
     "contiguous_placement",
     "make_placement",
@@ -43,6 +46,24 @@ __all__ = [
     "rank_work",
     "zigzag_placement",
 ]
+
+
+@dataclass(frozen=True, eq=False)
+class PlacementRuns:
+    """A placement as runs: maximal pieces of consecutive positions held at consecutive local rows of one rank.
+
+    Every array is ``[R]`` int64 numpy, ascending ``start``; the runs partition ``[0, S)``. A contiguous
+    placement has ``P`` runs, zigzag ``2P``, balanced about one per document piece plus ``P`` of padding.
+    """
+
+    start: np.ndarray
+    length: np.ndarray
+    rank: np.ndarray
+    local_start: np.ndarray
+
+    @property
+    def end(self) -> np.ndarray:
+        return self.start + self.length
 
 
 @dataclass(frozen=True, eq=False)
@@ -74,6 +95,23 @@ class Placement:
     def is_contiguous(self) -> bool:
         """Whether rank ``r`` holds exactly ``[r*L, (r+1)*L)``."""
         return bool(torch.equal(self.index.flatten(), torch.arange(self.full_len)))
+
+    @cached_property
+    def runs(self) -> PlacementRuns:
+        """The placement as :class:`PlacementRuns` (one vectorised pass over ``index``, cached: the plans of
+        every window and every rank share it)."""
+        flat = self.index.reshape(-1).numpy()
+        n, local_len = flat.size, self.local_len
+        fresh = np.ones(n, dtype=bool)
+        if n:
+            fresh[1:] = flat[1:] != flat[:-1] + 1
+            fresh[::local_len] = True  # a rank's first row starts a run whatever the previous rank ended with
+        first = np.flatnonzero(fresh)
+        length = np.diff(np.append(first, n))
+        order = np.argsort(flat[first], kind="stable")
+        return PlacementRuns(flat[first][order].astype(np.int64), length[order].astype(np.int64),
+                             (first // max(local_len, 1))[order].astype(np.int64),
+                             (first % max(local_len, 1))[order].astype(np.int64))
 
     def owner(self) -> tuple[torch.Tensor, torch.Tensor]:
         """``(rank [S], local_row [S])``: who holds each global position, and at which local row."""
@@ -277,22 +315,43 @@ def _assign(spans: list[tuple[int, int]], parts: list[int], cp_size: int, local_
     placed: list[list[_Item]] = [[] for _ in range(cp_size)]
     docs_on: list[set[int]] = [set() for _ in range(cp_size)]
     spilled: list[int] = []
+    # Ranks ordered by (load, -room, rank) in a heap with lazy deletion (an entry is current while it matches
+    # the rank's numbers): the first rank in that order that fits is the one a scan over every rank picks.
+    heap = [(0.0, -local_len, r) for r in range(cp_size)]
     for item in items:
-        lightest = min(range(cp_size), key=lambda r: (load[r], -room[r]))
-        if room[lightest] >= item.tokens and item.doc not in docs_on[lightest]:
-            rank = lightest  # the common case
-        else:
-            fits = [r for r in range(cp_size) if room[r] >= item.tokens]
-            if not fits:
-                _spill(item, spans[item.doc][0], windows, load, room, placed)
-                spilled.append(item.doc)
-                continue
-            apart = [r for r in fits if item.doc not in docs_on[r]] or fits
-            rank = min(apart, key=lambda r: (load[r], -room[r]))
+        first_fit, rank, popped = None, None, []
+        if item.tokens == 0:  # fits a full rank too (not in the heap): scan every rank
+            fits = [r for r in range(cp_size) if item.doc not in docs_on[r]] or list(range(cp_size))
+            rank = min(fits, key=lambda r: (load[r], -room[r]))
+        while heap and rank is None:
+            entry = heapq.heappop(heap)
+            work, neg_room, r = entry
+            if work != load[r] or -neg_room != room[r]:
+                continue  # stale
+            popped.append(entry)
+            if room[r] >= item.tokens:
+                if item.doc not in docs_on[r]:
+                    rank = r
+                    break
+                if first_fit is None:
+                    first_fit = r
+        if rank is None:
+            rank = first_fit
+        for entry in popped:
+            if entry[2] != rank:
+                heapq.heappush(heap, entry)
+        if rank is None:
+            _spill(item, spans[item.doc][0], windows, load, room, placed)
+            spilled.append(item.doc)
+            heap = [(load[r], -room[r], r) for r in range(cp_size) if room[r] > 0]
+            heapq.heapify(heap)
+            continue
         placed[rank].append(item)
         docs_on[rank].add(item.doc)
         load[rank] += item.work
         room[rank] -= item.tokens
+        if room[rank] > 0:  # a full rank fits nothing more (every item holds a token)
+            heapq.heappush(heap, (load[rank], -room[rank], rank))
     return placed, load, room, spilled
 
 
