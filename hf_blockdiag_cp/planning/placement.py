@@ -22,6 +22,7 @@ sliding window ``w``); a rank's work is the sum over its queries, averaged over 
 
 from __future__ import annotations
 
+import bisect
 import heapq
 import math
 from collections.abc import Callable, Sequence
@@ -243,7 +244,6 @@ def balanced_placement(doc_ids_row: torch.Tensor, cp_size: int, *, tolerance: fl
     local_len = full_len // cp_size
     spans = document_spans(row)
     parts = [max(1, math.ceil((end - start) / local_len)) for start, end in spans]
-    pad = torch.nonzero(row == 0).flatten()
     best: tuple[float, list[list[_Item]], list[int]] | None = None
     for _ in range(max_rounds + 1):
         placed, load, room, spilled = _assign(spans, parts, cp_size, local_len, windows)
@@ -268,16 +268,47 @@ def balanced_placement(doc_ids_row: torch.Tensor, cp_size: int, *, tolerance: fl
         for d in grow:
             parts[d] += 1
     _, placed, room = best
-    owner = np.full(full_len, -1, dtype=np.int64)  # numpy: a thousand slice writes cost microseconds
-    pad_np = pad.numpy()
+    return _placement_of_ranges([[r for item in items for r in item.ranges] for items in placed], room, spans,
+                                full_len)
+
+
+def _placement_of_ranges(ranges: list[list[tuple[int, int]]], room: list[int], spans: list[tuple[int, int]],
+                         full_len: int) -> Placement:
+    """The balanced placement from each rank's document ranges, padding handed out in row order (rank 0 first,
+    ``room[r]`` positions each): built from runs, without sorting the row's positions."""
+    cp_size = len(ranges)
+    local_len = full_len // cp_size
+    # Padding is the complement of the documents, as runs; ``pad_cum[k]`` padding positions precede run k.
+    bounds = [0, *(x for span in spans for x in span), full_len]
+    pad_runs = [(a, b) for a, b in zip(bounds[::2], bounds[1::2]) if b > a]
+    pad_cum = [0]
+    for a, b in pad_runs:
+        pad_cum.append(pad_cum[-1] + b - a)
+    starts: list[int] = []
+    lengths: list[int] = []
     taken = 0
     for rank in range(cp_size):
-        for item in placed[rank]:
-            for a, b in item.ranges:
-                owner[a:b] = rank
-        owner[pad_np[taken:taken + room[rank]]] = rank
-        taken += room[rank]
-    return Placement.from_owner("balanced", torch.from_numpy(owner), cp_size)
+        pieces = [(a, b) for a, b in ranges[rank] if b > a]
+        end = taken + room[rank]
+        k = bisect.bisect_right(pad_cum, taken) - 1
+        while taken < end and k < len(pad_runs):
+            a, b = pad_runs[k]
+            lo = a + taken - pad_cum[k]
+            hi = min(b, lo + end - taken)
+            pieces.append((lo, hi))
+            taken += hi - lo
+            k += 1
+        pieces.sort()
+        held = sum(b - a for a, b in pieces)
+        if held != local_len or taken != end:
+            raise PlanError(f"placement 'balanced' does not give rank {rank} exactly {local_len} positions "
+                            f"(it holds {held})")
+        starts.extend(a for a, _ in pieces)
+        lengths.extend(b - a for a, b in pieces)
+    start = np.asarray(starts, dtype=np.int64)
+    length = np.asarray(lengths, dtype=np.int64)
+    index = np.repeat(start - (np.cumsum(length) - length), length) + np.arange(full_len, dtype=np.int64)
+    return Placement("balanced", torch.from_numpy(index).view(cp_size, local_len))
 
 
 def _cheapest_split(docs: list[int], excess: float, spans: list[tuple[int, int]], parts: list[int],
@@ -313,46 +344,76 @@ def _assign(spans: list[tuple[int, int]], parts: list[int], cp_size: int, local_
     load = [0.0] * cp_size
     room = [local_len] * cp_size
     placed: list[list[_Item]] = [[] for _ in range(cp_size)]
-    docs_on: list[set[int]] = [set() for _ in range(cp_size)]
     spilled: list[int] = []
     # Ranks ordered by (load, -room, rank) in a heap with lazy deletion (an entry is current while it matches
     # the rank's numbers): the first rank in that order that fits is the one a scan over every rank picks.
+    # When the first few ranks do not fit (late in a full row), one vectorised scan finds it instead.
     heap = [(0.0, -local_len, r) for r in range(cp_size)]
+    load_np = np.zeros(cp_size)
+    room_np = np.full(cp_size, local_len, dtype=np.int64)
+    ranks_of: dict[int, list[int]] = {}
     for item in items:
         first_fit, rank, popped = None, None, []
+        holding = ranks_of.get(item.doc, ())
         if item.tokens == 0:  # fits a full rank too (not in the heap): scan every rank
-            fits = [r for r in range(cp_size) if item.doc not in docs_on[r]] or list(range(cp_size))
+            fits = [r for r in range(cp_size) if r not in holding] or list(range(cp_size))
             rank = min(fits, key=lambda r: (load[r], -room[r]))
-        while heap and rank is None:
+        while heap and rank is None and len(popped) < _HEAP_SCAN:
             entry = heapq.heappop(heap)
             work, neg_room, r = entry
             if work != load[r] or -neg_room != room[r]:
                 continue  # stale
             popped.append(entry)
             if room[r] >= item.tokens:
-                if item.doc not in docs_on[r]:
+                if r not in holding:
                     rank = r
                     break
                 if first_fit is None:
                     first_fit = r
-        if rank is None:
-            rank = first_fit
         for entry in popped:
             if entry[2] != rank:
                 heapq.heappush(heap, entry)
+        if rank is None and len(popped) >= _HEAP_SCAN:
+            rank = _lightest_fit(load_np, room_np, item.tokens, holding)
+        elif rank is None:
+            rank = first_fit
         if rank is None:
             _spill(item, spans[item.doc][0], windows, load, room, placed)
             spilled.append(item.doc)
+            load_np[:], room_np[:] = load, room
             heap = [(load[r], -room[r], r) for r in range(cp_size) if room[r] > 0]
             heapq.heapify(heap)
             continue
         placed[rank].append(item)
-        docs_on[rank].add(item.doc)
+        ranks_of.setdefault(item.doc, []).append(rank)
         load[rank] += item.work
         room[rank] -= item.tokens
+        load_np[rank], room_np[rank] = load[rank], room[rank]
         if room[rank] > 0:  # a full rank fits nothing more (every item holds a token)
             heapq.heappush(heap, (load[rank], -room[rank], rank))
     return placed, load, room, spilled
+
+
+#: Current heap entries :func:`_assign` looks at before one vectorised scan over every rank.
+_HEAP_SCAN = 4
+
+
+def _lightest_fit(load: np.ndarray, room: np.ndarray, tokens: int, holding: Sequence[int]) -> int | None:
+    """The first rank in ``(load, -room, rank)`` order with ``room >= tokens``, preferring ranks not in ``holding``."""
+    masked = np.where(room >= tokens, load, np.inf)
+    if holding:
+        kept = masked[holding]
+        masked[holding] = np.inf
+        if np.isinf(masked).all():  # only ranks holding the document fit (or none): take those
+            masked[holding] = kept
+    lightest = masked.min()
+    if lightest == np.inf:
+        return None
+    candidates = np.flatnonzero(masked == lightest)
+    if candidates.size > 1:
+        most = room[candidates]
+        candidates = candidates[most == most.max()]
+    return int(candidates[0])
 
 
 def _improve(placed: list[list[_Item]], load: list[float], room: list[int], *, steps: int = 8,
