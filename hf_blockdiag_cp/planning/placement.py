@@ -420,27 +420,46 @@ def _improve(placed: list[list[_Item]], load: list[float], room: list[int], *, s
              width: int = 16) -> None:
     """Local search: move a whole item off the most loaded rank, or swap it for a lighter one, while
     that lowers the pair's maximum (only whole items move: no new split, no new K/V traffic beyond
-    where the pieces already were). Looks at the ``width`` heaviest items of each rank."""
-    ranks = range(len(load))
+    where the pieces already were). Looks at the ``width`` heaviest items of each rank.
+
+    Every candidate of a step (item ``i`` of the most loaded rank, rank ``r``, a move or a swap with item ``j``)
+    is scored in one vectorised pass; the first best in ``(i, r, move, j)`` order wins, as in a loop over them."""
+    cp_size = len(load)
+    works = np.full((cp_size, width), np.inf)
+    tokens = np.zeros((cp_size, width), dtype=np.int64)
+
+    def refresh(rank: int) -> None:
+        top = placed[rank][:width]
+        works[rank] = np.inf
+        works[rank, :len(top)] = [it.work for it in top]
+        tokens[rank, :len(top)] = [it.tokens for it in top]
+
+    for rank in range(cp_size):
+        refresh(rank)
     for _ in range(steps):
-        worst = max(ranks, key=lambda r: load[r])
-        best: tuple[float, int, int, int | None] | None = None
-        for i, a in enumerate(placed[worst][:width]):
-            for r in ranks:
-                if r == worst:
-                    continue
-                if room[r] >= a.tokens:
-                    peak = max(load[worst] - a.work, load[r] + a.work)
-                    if peak < load[worst] and (best is None or peak < best[0]):
-                        best = (peak, i, r, None)
-                for j, b in enumerate(placed[r][:width]):
-                    if b.work < a.work and room[r] + b.tokens >= a.tokens and room[worst] + a.tokens >= b.tokens:
-                        peak = max(load[worst] - a.work + b.work, load[r] + a.work - b.work)
-                        if peak < load[worst] and (best is None or peak < best[0]):
-                            best = (peak, i, r, j)
-        if best is None:
+        worst = max(range(cp_size), key=lambda r: load[r])
+        count = min(len(placed[worst]), width)
+        if count == 0:
             return
-        _, i, r, j = best
+        peak_load = load[worst]
+        loads, rooms = np.asarray(load), np.asarray(room, dtype=np.int64)
+        a_work, a_tokens = works[worst, :count, None], tokens[worst, :count, None]  # [i, 1]
+        other = np.arange(cp_size) != worst
+        # Moves [i, r]: item i of the worst rank to rank r.
+        move = np.maximum(peak_load - a_work, loads + a_work)
+        move = np.where(other & (rooms >= a_tokens) & (move < peak_load), move, np.inf)
+        # Swaps [i, r, j]: item i for item j of rank r (a padded slot has infinite work: never lighter).
+        a_work3, a_tokens3 = a_work[:, :, None], a_tokens[:, :, None]
+        swap = np.maximum(peak_load - a_work3 + works, loads[:, None] + a_work3 - works)
+        fits = ((works < a_work3) & (rooms[:, None] + tokens >= a_tokens3)
+                & (room[worst] + a_tokens3 >= tokens) & other[:, None])
+        swap = np.where(fits & (swap < peak_load), swap, np.inf)
+        scores = np.concatenate([move[:, :, None], swap], axis=2)  # [i, r, 1 + width]: the loop's order
+        flat = int(np.argmin(scores))
+        if scores.flat[flat] == np.inf:
+            return
+        i, r, slot = np.unravel_index(flat, scores.shape)
+        i, r, j = int(i), int(r), None if slot == 0 else int(slot) - 1
         moves = [(worst, r, placed[worst][i])] + ([] if j is None else [(r, worst, placed[r][j])])
         for src, dst, item in moves:
             placed[src].remove(item)
@@ -451,6 +470,7 @@ def _improve(placed: list[list[_Item]], load: list[float], room: list[int], *, s
             room[dst] -= item.tokens
         for r_ in (worst, r):
             placed[r_].sort(key=lambda it: -it.work)
+            refresh(r_)
 
 
 def _spill(item: _Item, doc_start: int, windows: Sequence[int | None], load: list[float], room: list[int],

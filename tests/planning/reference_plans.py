@@ -80,11 +80,50 @@ def _reference_assign(spans, parts, cp_size, local_len, windows):
     return placed, load, room, spilled
 
 
+def _reference_improve(placed: list[list[_Item]], load: list[float], room: list[int], *, steps: int = 8,
+             width: int = 16) -> None:
+    """Local search: move a whole item off the most loaded rank, or swap it for a lighter one, while
+    that lowers the pair's maximum (only whole items move: no new split, no new K/V traffic beyond
+    where the pieces already were). Looks at the ``width`` heaviest items of each rank. (Before issue 25: a loop
+    over every candidate.)"""
+    ranks = range(len(load))
+    for _ in range(steps):
+        worst = max(ranks, key=lambda r: load[r])
+        best: tuple[float, int, int, int | None] | None = None
+        for i, a in enumerate(placed[worst][:width]):
+            for r in ranks:
+                if r == worst:
+                    continue
+                if room[r] >= a.tokens:
+                    peak = max(load[worst] - a.work, load[r] + a.work)
+                    if peak < load[worst] and (best is None or peak < best[0]):
+                        best = (peak, i, r, None)
+                for j, b in enumerate(placed[r][:width]):
+                    if b.work < a.work and room[r] + b.tokens >= a.tokens and room[worst] + a.tokens >= b.tokens:
+                        peak = max(load[worst] - a.work + b.work, load[r] + a.work - b.work)
+                        if peak < load[worst] and (best is None or peak < best[0]):
+                            best = (peak, i, r, j)
+        if best is None:
+            return
+        _, i, r, j = best
+        moves = [(worst, r, placed[worst][i])] + ([] if j is None else [(r, worst, placed[r][j])])
+        for src, dst, item in moves:
+            placed[src].remove(item)
+            placed[dst].append(item)
+            load[src] -= item.work
+            load[dst] += item.work
+            room[src] += item.tokens
+            room[dst] -= item.tokens
+        for r_ in (worst, r):
+            placed[r_].sort(key=lambda it: -it.work)
+
+
 def reference_balanced_placement(row: torch.Tensor, cp_size: int, **kwargs) -> Placement:
-    """:func:`~hf_blockdiag_cp.planning.placement.balanced_placement` with the scan-every-rank assignment."""
+    """:func:`~hf_blockdiag_cp.planning.placement.balanced_placement` with the loops over every rank."""
     from unittest import mock
 
     from hf_blockdiag_cp.planning import placement as module
 
-    with mock.patch.object(module, "_assign", _reference_assign):
+    with mock.patch.object(module, "_assign", _reference_assign), mock.patch.object(module, "_improve",
+                                                                                   _reference_improve):
         return module.balanced_placement(row, cp_size, **kwargs)

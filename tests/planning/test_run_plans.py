@@ -171,3 +171,19 @@ def test_balanced_placement_equals_the_reference_through_the_vectorised_scan(cas
         fast = make_placement(row, cp_size, "balanced", tolerance=0.0, windows=windows)
     slow = reference_balanced_placement(row, cp_size, tolerance=0.0, windows=windows)
     assert torch.equal(fast.index, slow.index)
+
+
+@pytest.mark.parametrize("cp_size", [16, 40])
+def test_balanced_placement_equals_the_reference_on_a_long_row(cp_size):
+    """Many documents over many ranks: the heap, the vectorised scans and the run-built index stay exact."""
+    gen = torch.Generator().manual_seed(cp_size)
+    lengths = torch.exp(torch.randn(60, generator=gen) * 1.0 + 5.0).long() + 1
+    lengths = lengths[torch.cumsum(lengths, 0) <= 20_000]
+    full_len = 20_480
+    row = torch.zeros(full_len, dtype=torch.int64)
+    row[:int(lengths.sum())] = torch.repeat_interleave(torch.arange(1, lengths.numel() + 1), lengths)
+    for windows in ((None,), (None, 256)):
+        fast = make_placement(row, cp_size, "balanced", windows=windows)
+        slow = reference_balanced_placement(row, cp_size, windows=windows)
+        assert torch.equal(fast.index, slow.index)
+        _check_exchange(row, fast, windows[-1], "auto")
