@@ -148,10 +148,12 @@ class BlockDiagCPContext:
         windows = sorted({w for w in sliding_windows if w is not None})
         for w in windows:
             check_int("sliding_windows", w, minimum=1)
-        parts = [repr(tuple(ids.shape)).encode(), ids.to(torch.int32).contiguous().numpy().tobytes()]
+        doc_ids32 = ids.to(torch.int32).contiguous()
+        # Hashed in place (numpy views, no byte copies): the same bytes as before, one pass each.
+        parts = [repr(tuple(ids.shape)).encode(), doc_ids32.numpy()]
         if input_ids is not None:
-            parts.append(torch.as_tensor(input_ids).detach().to("cpu", torch.int64).contiguous().numpy().tobytes())
-        common = dict(doc_ids=ids.to(torch.int32).contiguous(), cp_rank=cp_rank, cp_size=cp_size, group=group,
+            parts.append(torch.as_tensor(input_ids).detach().to("cpu", torch.int64).contiguous().numpy())
+        common = dict(doc_ids=doc_ids32, cp_rank=cp_rank, cp_size=cp_size, group=group,
                       local_len=local_len, data_fingerprint=fingerprint(*parts), config=config,
                       position_ids=positions)
         if cp_size == 1:

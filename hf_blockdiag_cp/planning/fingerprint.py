@@ -6,6 +6,7 @@ import hashlib
 import struct
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 
 from ..config import BACKENDS, KV_EXCHANGES, PLACEMENTS, BlockDiagCPConfig
@@ -14,10 +15,15 @@ __all__ = ["PLAN_FIELDS", "PlanFingerprint", "checksum_weights", "describe_plan_
            "plan_fingerprint", "shard_checksum", "shard_checksums"]
 
 
-def fingerprint(*parts: bytes) -> int:
-    """A 62-bit hash of ``parts`` (fits an int64 tensor on every collective backend)."""
-    digest = hashlib.blake2b(b"".join(parts), digest_size=8).digest()
-    return int.from_bytes(digest, "little") >> 2
+def fingerprint(*parts: bytes | memoryview | np.ndarray) -> int:
+    """A 62-bit hash of the concatenated ``parts`` (fits an int64 tensor on every collective backend).
+
+    Parts may be any C-contiguous buffer (a numpy view of a tensor): they are hashed in place, not copied.
+    """
+    digest = hashlib.blake2b(digest_size=8)
+    for part in parts:
+        digest.update(part)
+    return int.from_bytes(digest.digest(), "little") >> 2
 
 
 #: What a rank's plan is made of, in the order the rank agreement exchanges it. The first five are the
@@ -71,7 +77,7 @@ def plan_fingerprint(config: BlockDiagCPConfig, *, cp_size: int, placement_kind:
         "kv_exchange": KV_EXCHANGES.index(config.kv_exchange),
         "backend": BACKENDS.index(config.backend),
         "sliding_windows": fingerprint(repr(tuple(windows)).encode()),
-        "placement_rows": fingerprint(placement_rows.to(torch.int64).contiguous().numpy().tobytes()),
+        "placement_rows": fingerprint(placement_rows.to(torch.int64).contiguous().numpy()),
         "exchange_strategies": fingerprint(repr(tuple(strategies)).encode()),
         "ulysses_size": ulysses_size,
         "layout": 0 if layout is None else fingerprint(layout),
