@@ -180,11 +180,11 @@ class BlockDiagCPContext:
 
         plan, exchange = plans(None)
         window_plans = {w: plans(w) for w in windows}
-        local_index = placement.index[cp_rank]
+        local_index = placement.index[cp_rank].clone()  # its own storage: pickles L positions, not P * L
         # Per-field plan fingerprint (issue 17): the agreement can then name the field ranks differ in.
         planned = [(None, exchange), *((w, ex) for w, (_, ex) in window_plans.items())]
         plan_fp = plan_fingerprint(config, cp_size=cp_size, placement_kind=placement.kind,
-                                   placement_rows=placement.index, windows=[w for w, _ in planned],
+                                   placement_rows=placement, windows=[w for w, _ in planned],
                                    strategies=[str(ex.strategy) for _, ex in planned])
         return cls(row_offset=int(local_index[0]), local_index=local_index, plan=plan, exchange=exchange,
                    placement=placement, window_plans=window_plans, plan_fingerprint=plan_fp, layout=layout,
@@ -322,12 +322,12 @@ def _layout_context(cls: type[BlockDiagCPContext], layout: LayoutPlan, ids: torc
 
     plan, exchange = plans(None)
     window_plans = {w: plans(w) for w in windows}
-    local_index = layout.placement.index[cp_rank]
+    local_index = layout.placement.index[cp_rank].clone()
     planned = [(None, exchange), *((w, ex) for w, (_, ex) in window_plans.items())]
     key = layout.key() + repr(layout.heads).encode()  # the head split too: the all-to-all's sizes follow it
     # The requested kind (one group's placement is contiguous whatever was asked): ranks compare requests.
     plan_fp = plan_fingerprint(config, cp_size=common["cp_size"], placement_kind=placement_kind,
-                               placement_rows=layout.placement.index, windows=[w for w, _ in planned],
+                               placement_rows=layout.placement, windows=[w for w, _ in planned],
                                strategies=[str(ex.strategy) for _, ex in planned], ulysses_size=u, layout=key)
     return cls(row_offset=int(local_index[0]), local_index=local_index, plan=plan, exchange=exchange,
                placement=layout.placement, window_plans=window_plans, plan_fingerprint=plan_fp, layout=layout,

@@ -108,7 +108,7 @@ class RankTransfer:
         need: exact number of remote rows the rank's queries need (whatever the strategy moves).
         send_runs: ``[k, 2]`` int64 ``(first local row, rows)`` sent, grouped by destination.
         recv_runs: ``[m, 2]`` int64 ``(first global position, rows)`` received, grouped by source.
-        own_positions: ``[L]`` (all-gather ``[P * L]``) global positions that follow the received rows.
+        placement: the plan's placement (:attr:`own_positions`: this rank's ``[L]`` positions in it).
         send_index: ``[sum(send_splits)]`` int64 local rows sent, grouped by destination (CPU).
         buffer_positions: ``[R + L]`` (all-gather ``[P * L]``) int64 global position of every row of
             the rank's K/V buffer after the exchange.
@@ -122,7 +122,12 @@ class RankTransfer:
     need: int
     send_runs: torch.Tensor
     recv_runs: torch.Tensor
-    own_positions: torch.Tensor
+    placement: Placement
+
+    @property
+    def own_positions(self) -> torch.Tensor:
+        """``[L]`` global positions of this rank's own rows (a view of the placement's table)."""
+        return self.placement.index[self.rank]
 
     @property
     def rows_sent(self) -> int:
@@ -134,8 +139,10 @@ class RankTransfer:
 
     @cached_property
     def buffer_positions(self) -> torch.Tensor:
-        if self.recv_runs.numel() == 0:
-            return self.own_positions
+        # A tensor of its own (not a view of the placement's [P, L] table): a pickled context then carries
+        # this rank's rows, not the whole table once more.
+        if self.strategy == Strategy.ALLGATHER:
+            return self.placement.index.flatten().clone()
         return torch.cat([_expand_runs(self.recv_runs), self.own_positions])
 
 
@@ -238,19 +245,17 @@ def plan_exchange(doc_ids: torch.Tensor, *, cp_size: int, config: BlockDiagCPCon
     transfers = []
     if strategy in (Strategy.NONE, Strategy.ALLGATHER):
         zeros = (0,) * cp_size
-        gathered = strategy == Strategy.ALLGATHER
-        everything = placement.index.flatten() if gathered else None
+        received = (cp_size - 1) * local_len if strategy == Strategy.ALLGATHER else 0
         for rank in range(cp_size):
-            transfers.append(RankTransfer(rank, strategy, zeros, zeros, (cp_size - 1) * local_len if gathered else 0,
-                                          need[rank], no_runs, no_runs,
-                                          everything if gathered else placement.index[rank]))
+            transfers.append(RankTransfer(rank, strategy, zeros, zeros, received, need[rank], no_runs, no_runs,
+                                          placement))
     else:
         recv_splits = counts.tolist()
         send_splits = counts.T.tolist()
         for rank in range(cp_size):
             transfers.append(RankTransfer(rank, strategy, tuple(send_splits[rank]), tuple(recv_splits[rank]),
                                           need[rank], need[rank], moves.send_runs(rank), moves.recv_runs(rank),
-                                          placement.index[rank]))
+                                          placement))
     return ExchangePlan(placement=placement, window=window, strategy=strategy, halo_valid=halo_valid,
                         transfers=tuple(transfers))
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import struct
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 import torch
@@ -61,7 +62,8 @@ def plan_fingerprint(config: BlockDiagCPConfig, *, cp_size: int, placement_kind:
     Args:
         config: the context's config (backend and ``kv_exchange`` requests, ``balance_tolerance``).
         cp_size: the context's CP size.
-        placement_kind / placement_rows: the placement used and its ``[P, L]`` position table.
+        placement_kind / placement_rows: the placement used: the ``Placement`` (hashed by its runs) or its
+            ``[P, L]`` position table.
         windows / strategies: the planned sliding windows and each exchange's resolved strategy.
         ulysses_size / layout: the step's head-parallel size ``u`` and, when ``u > 1``, the bytes of its
             :meth:`~hf_blockdiag_cp.planning.layout.LayoutPlan.key` (``None``: 0, today's layout).
@@ -77,11 +79,21 @@ def plan_fingerprint(config: BlockDiagCPConfig, *, cp_size: int, placement_kind:
         "kv_exchange": KV_EXCHANGES.index(config.kv_exchange),
         "backend": BACKENDS.index(config.backend),
         "sliding_windows": fingerprint(repr(tuple(windows)).encode()),
-        "placement_rows": fingerprint(placement_rows.to(torch.int64).contiguous().numpy()),
+        "placement_rows": _placement_hash(placement_rows),
         "exchange_strategies": fingerprint(repr(tuple(strategies)).encode()),
         "ulysses_size": ulysses_size,
         "layout": 0 if layout is None else fingerprint(layout),
     })
+
+
+def _placement_hash(placement_rows: Any) -> int:
+    """Hash of a placement: of its runs when it is a :class:`~hf_blockdiag_cp.planning.placement.Placement` (the
+    runs are the table, in ``O(runs)`` bytes), else of the ``[P, L]`` table's bytes."""
+    runs = getattr(placement_rows, "runs", None)
+    if runs is not None:
+        shape = repr(tuple(placement_rows.index.shape)).encode()
+        return fingerprint(b"runs", shape, runs.start, runs.length, runs.rank, runs.local_start)
+    return fingerprint(placement_rows.to(torch.int64).contiguous().numpy())
 
 
 def describe_plan_field(name: str, value: int) -> str:
@@ -137,5 +149,5 @@ def shard_checksums(rows: torch.Tensor) -> list[int]:
     """:func:`shard_checksum` of every shard ``rows[:, r]`` of ``rows [B, P, L]`` in one vectorised pass."""
     batch, ranks, local_len = rows.shape
     weights = checksum_weights(batch * local_len).view(batch, 1, local_len)
-    total = ((rows.to(torch.int64) + 1) * weights).sum(dim=(0, 2)) * 1000003 + batch * local_len
+    total = (rows.to(torch.int64) + 1).mul_(weights).sum(dim=(0, 2)) * 1000003 + batch * local_len
     return total.bitwise_and(_CHECKSUM_MASK).tolist()
