@@ -77,20 +77,26 @@ def median_time(fn, repeats: int) -> float:
 
 def measure(examples, seq_len: int, cp_size: int, placement: str, windows: str, ulysses: str,
             repeats: int) -> Row:
+    """One row: ranks 0 and P - 1, each call timed right after a one-pass baseline (the pair sees the same
+    machine load), medians over ``repeats``."""
     sliding = None if windows == "none" else (None, int(windows))
-    one_pass = median_time(lambda: torch.cumsum(torch.cat([e["input_ids"] for e in examples]), 0), max(repeats, 5))
     extra = {}
     if ulysses != "1":
         extra = dict(ulysses_size=ulysses if ulysses == "auto" else int(ulysses),
                      heads=HeadShape(num_q_heads=32, num_kv_heads=8, head_dim=128), ulysses_groups=_NoGroups())
-    times, size = [], 0
+    times, passes, size = [], [], 0
     for rank in (0, cp_size - 1):
         collator = PackingCollator(seq_len, cp_size=cp_size, cp_rank=rank, pad_token_id=0, placement=placement,
                                    sliding_windows=sliding, **extra)
         batch = collator(examples)
         size = max(size, len(pickle.dumps(batch["cp_context"])))
-        times.append(median_time(lambda: collator(examples), repeats))
-    return Row(seq_len, cp_size, placement, windows, ulysses, len(examples), one_pass, times[0], times[1], size)
+        calls = []
+        for _ in range(repeats):
+            passes.append(median_time(lambda: torch.cumsum(torch.cat([e["input_ids"] for e in examples]), 0), 3))
+            calls.append(median_time(lambda: collator(examples), 1))
+        times.append(statistics.median(calls))
+    return Row(seq_len, cp_size, placement, windows, ulysses, len(examples), statistics.median(passes), times[0],
+               times[1], size)
 
 
 def table(rows: list[Row]) -> str:

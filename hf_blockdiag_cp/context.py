@@ -16,6 +16,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -264,8 +265,14 @@ def _shard_checksums(placement: Placement, shape: torch.Size, input_ids: Any,
         if ids.shape != shape:
             ids = None  # a shape the rows do not have: nothing to compare against
     # One gather of the whole row into [B, P, L] and one weighted sum: no per-rank pass over the row.
-    sums = [[-1] * placement.cp_size if full is None else shard_checksums(full[:, placement.index])
-            for full in (ids, positions)]
+    runs = placement.runs
+    # Contiguous shards (one run per rank, in rank order) are a view of the row; other placements gather.
+    contiguous = runs.start.size == placement.cp_size and bool((runs.rank == np.arange(placement.cp_size)).all())
+
+    def shards(full: torch.Tensor) -> torch.Tensor:
+        return full.view(full.shape[0], placement.cp_size, -1) if contiguous else full[:, placement.index]
+
+    sums = [[-1] * placement.cp_size if full is None else shard_checksums(shards(full)) for full in (ids, positions)]
     return tuple(zip(*sums))
 
 

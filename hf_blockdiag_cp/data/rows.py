@@ -15,6 +15,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from .examples import Document
@@ -99,16 +100,17 @@ def assemble_rows(rows: Sequence[Sequence[Document]], length: int, *, pad_token_
             row_labels.masked_fill_(row_labels == -100, label_pad_id)
         # Position of token t = t - (row start of its document) + (position of the document's first token).
         offsets = torch.tensor([d.position_start for d in docs], dtype=torch.int64) - starts
-        positions = torch.arange(length, dtype=torch.int64)
-        positions[:total] += torch.repeat_interleave(offsets, lens, output_size=total)
-        positions[total:] = 0
+        # numpy's repeat: several times faster than torch.repeat_interleave on long rows.
+        lens_np = lens.numpy()
+        positions = torch.from_numpy(np.repeat(offsets.numpy(), lens_np))
+        positions = torch.cat([positions.add_(torch.arange(total, dtype=torch.int64)),
+                               torch.zeros(tail, dtype=torch.int64)])
         columns["input_ids"].append(torch.cat([*(d.input_ids for d in docs),
                                                torch.full((tail,), pad_token_id, dtype=torch.int64)]))
         columns["labels"].append(row_labels)
         columns["position_ids"].append(positions)
-        columns["doc_ids"].append(torch.cat([torch.repeat_interleave(torch.arange(1, len(docs) + 1), lens,
-                                                                     output_size=total),
-                                             torch.zeros(tail, dtype=torch.int64)]))
+        columns["doc_ids"].append(torch.from_numpy(np.repeat((np.arange(len(docs) + 1, dtype=np.int64) + 1) % (len(docs) + 1),
+                                                             np.append(lens_np, tail))))
     input_ids, labels, position_ids, doc_ids = (torch.stack(columns[k]) if batch > 1 else columns[k][0][None]
                                                 for k in ("input_ids", "labels", "position_ids", "doc_ids"))
     return FullRows(input_ids, labels, position_ids, doc_ids, shift_row_labels(labels, label_pad_id), label_pad_id)
