@@ -148,6 +148,8 @@ def shard_checksum(values: torch.Tensor) -> torch.Tensor:
 def shard_checksums(rows: torch.Tensor) -> list[int]:
     """:func:`shard_checksum` of every shard ``rows[:, r]`` of ``rows [B, P, L]`` in one vectorised pass."""
     batch, ranks, local_len = rows.shape
-    weights = checksum_weights(batch * local_len).view(batch, 1, local_len)
-    total = (rows.to(torch.int64) + 1).mul_(weights).sum(dim=(0, 2)) * 1000003 + batch * local_len
+    weights = checksum_weights(batch * local_len)
+    # sum((v + 1) * w) = sum(v * w) + sum(w): one product pass (wrapping int64 sums are associative).
+    total = (rows.to(torch.int64) * weights.view(batch, 1, local_len)).sum(dim=(0, 2)) + weights.sum()
+    total = total * 1000003 + batch * local_len
     return total.bitwise_and(_CHECKSUM_MASK).tolist()

@@ -245,8 +245,9 @@ def balanced_placement(doc_ids_row: torch.Tensor, cp_size: int, *, tolerance: fl
     spans = document_spans(row)
     parts = [max(1, math.ceil((end - start) / local_len)) for start, end in spans]
     best: tuple[float, list[list[_Item]], list[int]] | None = None
+    cache: dict[tuple[int, int], list[_Item]] = {}  # items are never modified: rounds share them
     for _ in range(max_rounds + 1):
-        placed, load, room, spilled = _assign(spans, parts, cp_size, local_len, windows)
+        placed, load, room, spilled = _assign(spans, parts, cp_size, local_len, windows, cache=cache)
         _improve(placed, load, room)
         mean = sum(load) / cp_size
         worst = max(range(cp_size), key=lambda r: load[r])
@@ -331,15 +332,18 @@ def _cheapest_split(docs: list[int], excess: float, spans: list[tuple[int, int]]
 
 
 def _assign(spans: list[tuple[int, int]], parts: list[int], cp_size: int, local_len: int,
-            windows: Sequence[int | None]) -> tuple[list[list[_Item]], list[float], list[int], list[int]]:
+            windows: Sequence[int | None], cache: dict[tuple[int, int], list[_Item]] | None = None
+            ) -> tuple[list[list[_Item]], list[float], list[int], list[int]]:
     """One placement round: ``(items per rank heaviest first, work per rank, room left per rank,
     documents cut because their piece fit no rank)``."""
     items: list[_Item] = []
+    cache = {} if cache is None else cache  # (doc, parts) -> its items: rounds change few documents' parts
     for doc, (start, end) in enumerate(spans):
-        if parts[doc] == 1:
-            items.append(_item(doc, start, [(start, end)], windows))
-        else:
-            items.extend(_head_tail_items(doc, start, end - start, parts[doc], windows))
+        made = cache.get((doc, parts[doc]))
+        if made is None:
+            made = cache[doc, parts[doc]] = ([_item(doc, start, [(start, end)], windows)] if parts[doc] == 1 else
+                                             _head_tail_items(doc, start, end - start, parts[doc], windows))
+        items.extend(made)
     items.sort(key=lambda it: (-it.work, -it.tokens))
     load = [0.0] * cp_size
     room = [local_len] * cp_size

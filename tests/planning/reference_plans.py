@@ -45,7 +45,7 @@ def reference_shard_checksum(values: torch.Tensor) -> int:
     return (total * 1000003 + values.numel()) % (1 << 64) & ((1 << 62) - 1)
 
 
-def _reference_assign(spans, parts, cp_size, local_len, windows):
+def _reference_assign(spans, parts, cp_size, local_len, windows, cache=None):
     """The balanced placement's item assignment before issue 25: a scan over every rank per item."""
     from hf_blockdiag_cp.planning.placement import _head_tail_items, _item, _spill
 
