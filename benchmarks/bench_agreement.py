@@ -86,12 +86,15 @@ def _worker(rank: int, args: argparse.Namespace, port: int) -> None:
     with mock.patch.object(prepare, "agree_forward", lambda *a, **k: None):
         without = timed(step, args.steps)
     if rank == 0:
-        print(f"CP={args.cp} gloo, tiny Llama ({args.layers} layers), S={args.seq_len}, kv_exchange={args.kv_exchange}, "
+        print(f"CP={args.cp} gloo, tiny Llama ({args.layers} layers), S={args.seq_len}, "
+              f"kv_exchange={args.kv_exchange}, "
               f"medians of {args.steps} (agreement: {args.steps * 4})")
         print(f"agreement per forward: {agreement * 1e6:8.0f} us  (host part without the collective: "
               f"{local * 1e6:.0f} us; a bare all_gather of the row: {bare * 1e6:.0f} us)")
-        print(f"step (fwd+bwd):        {with_agreement * 1e6:8.0f} us  (agreement = {100 * agreement / with_agreement:.1f}%)")
-        print(f"step without it:       {without * 1e6:8.0f} us  (A/B difference {1e6 * (with_agreement - without):.0f} us)")
+        print(f"step (fwd+bwd):        {with_agreement * 1e6:8.0f} us  (agreement = "
+              f"{100 * agreement / with_agreement:.1f}%)")
+        print(f"step without it:       {without * 1e6:8.0f} us  (A/B difference "
+              f"{1e6 * (with_agreement - without):.0f} us)")
     dist.destroy_process_group()
 
 

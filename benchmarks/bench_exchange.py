@@ -77,7 +77,8 @@ def _timing_worker(rank: int, world: int, port: int, full_len: int, iters: int, 
     import torch.distributed as dist
 
     from hf_blockdiag_cp import BlockDiagCPContext
-    from hf_blockdiag_cp.attention.cp import _rank_exchange, cp_attention
+    from hf_blockdiag_cp.attention.cp import sequence_attention
+    from hf_blockdiag_cp.attention.layer import kv_exchange
     from hf_blockdiag_cp.distributed.exchange import exchange_kv
 
     torch.set_num_threads(1)
@@ -95,7 +96,7 @@ def _timing_worker(rank: int, world: int, port: int, full_len: int, iters: int, 
         k = torch.randn(1, local, kv_heads, dim, dtype=torch.bfloat16).transpose(1, 2).requires_grad_()
         v = torch.randn(1, local, kv_heads, dim, dtype=torch.bfloat16).transpose(1, 2).requires_grad_()
         kv = torch.randn(local, kv_heads * dim * 2, dtype=torch.bfloat16, requires_grad=True)
-        ex = _rank_exchange(ctx, torch.device("cpu"))
+        ex = kv_exchange(ctx, torch.device("cpu"))
         times = {"exchange": [], "layer": []}
         for it in range(iters + 1):
             dist.barrier()
@@ -104,7 +105,7 @@ def _timing_worker(rank: int, world: int, port: int, full_len: int, iters: int, 
                 exchange_kv(kv, ex).sum().backward()
             dist.barrier()
             t1 = time.perf_counter()
-            o = cp_attention(ctx, q, k, v, dropout_p=0.0, scale=dim ** -0.5, window=None, softcap=None)
+            o = sequence_attention(ctx, q, k, v, dropout_p=0.0, scale=dim ** -0.5, window=None, softcap=None)
             o.float().sum().backward()
             dist.barrier()
             t2 = time.perf_counter()

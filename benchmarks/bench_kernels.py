@@ -23,7 +23,8 @@ layout transformers hands to an attention function. ``fwd`` runs under ``torch.n
 Time: median and minimum of ``--repeats`` runs after one warm-up (fewer when a run is slower than
 ``--budget-s / repeats``); the first timed run is also the one whose peak memory is measured, the
 others go round-robin over the methods so that load from other processes hits every row alike.
-The ratios use the minimum, the estimate least inflated by other processes on a shared machine. Peak memory: on CUDA ``torch.cuda.max_memory_allocated()`` above what was
+The ratios use the minimum, the estimate least inflated by other processes on a shared machine. Peak memory: on
+CUDA ``torch.cuda.max_memory_allocated()`` above what was
 allocated before the run; on CPU the process's peak resident set (``VmHWM``, reset through
 ``/proc/self/clear_refs`` after ``malloc_trim``) above its resident set before the run. Both include
 the output (and gradients), ``O(S * H * D)``; a ``[S, S]`` float32 tensor would add ``4 S^2`` bytes
@@ -111,10 +112,10 @@ def _worker(cfg: dict) -> list[dict]:
     import torch
     import torch.nn.functional as F
 
-    from hf_blockdiag_cp import build_varlen_plan
     from hf_blockdiag_cp.attention.core import attend_flat, flat_rows, kernel_spec
     from hf_blockdiag_cp.config import BACKENDS
     from hf_blockdiag_cp.kernels import BackendUnavailable, unavailable_reason
+    from hf_blockdiag_cp.planning import build_varlen_plan
 
     if threads:
         torch.set_num_threads(threads)

@@ -44,8 +44,8 @@ def _worker(rank: int, world: int, port: int, full_len: int, iters: int, results
     import torch.distributed as dist
 
     import hf_blockdiag_cp as bd
-    from hf_blockdiag_cp.attention import blockdiag_cp_attention
-    from hf_blockdiag_cp.attention.cp import comm_stats
+    from hf_blockdiag_cp import comm_stats
+    from hf_blockdiag_cp.integration import blockdiag_cp_attention
     from hf_blockdiag_cp.planning.layout import HeadShape
 
     torch.set_num_threads(1)

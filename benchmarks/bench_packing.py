@@ -17,7 +17,6 @@ import math
 import random
 import statistics
 import time
-
 from collections.abc import Sequence
 
 from hf_blockdiag_cp.data.packing import best_fit_decreasing, split_overflow

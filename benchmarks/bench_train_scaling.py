@@ -38,7 +38,8 @@ def run(cp_size: int, seq_len: int, steps: int, extra: list[str]) -> dict | None
                    str(ROOT / "configs" / "accelerate" / "cpu_cp2.yaml"), *script]
         proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env={**os.environ})
         if proc.returncode != 0 or not summary.exists():
-            sys.stderr.write(f"cp={cp_size} seq_len={seq_len} failed (exit {proc.returncode}):\n{proc.stderr[-2000:]}\n")
+            sys.stderr.write(f"cp={cp_size} seq_len={seq_len} failed (exit "
+                             f"{proc.returncode}):\n{proc.stderr[-2000:]}\n")
             return None
         return json.loads(summary.read_text())
 
@@ -208,8 +209,9 @@ def real_vocab_table(cases: list[tuple[str, bool, list[int]]], cp_sizes: list[in
     """Per (CP size, loss, checkpointing): a row per measured length (memory per rank: the largest rank's), then
     the longest row within ``budget_gib`` per rank, extrapolated linearly from the two longest measured rows
     (peak RSS of the process, parameters included)."""
-    print(f"| CP | loss | checkpointing | L (row) | tensor peak fwd+bwd per rank (GiB) | largest tensor (elements) | "
-          f"peak RSS per rank (GiB) | tokens per CPU-second (1 thread per rank) |\n|---:|---|---|---:|---:|---:|---:|---:|")
+    print("| CP | loss | checkpointing | L (row) | tensor peak fwd+bwd per rank (GiB) | largest tensor (elements) | "
+          "peak RSS per rank (GiB) | tokens per CPU-second (1 thread per rank) "
+          "|\n|---:|---|---|---:|---:|---:|---:|---:|")
     longest = []
     for cp in cp_sizes:
         for loss, checkpointing, seq_lens in cases:

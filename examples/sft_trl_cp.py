@@ -26,7 +26,6 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-import hf_blockdiag_cp as bd  # noqa: E402  (registers attn_implementation="blockdiag_cp")
 from common import (  # noqa: E402
     apply_lora,
     byte_chat_tokenizer,
@@ -43,6 +42,8 @@ from common import (  # noqa: E402
     trainer_arguments,
 )
 from trainer_packed_cp import StepProbe, measure_run  # noqa: E402
+
+import hf_blockdiag_cp as bd  # noqa: E402  (registers attn_implementation="blockdiag_cp")
 
 logger = logging.getLogger("sft_trl_cp")
 

@@ -23,7 +23,6 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-import hf_blockdiag_cp as bd  # noqa: E402  (registers attn_implementation="blockdiag_cp")
 from common import (  # noqa: E402
     apply_lora,
     chunked_loss_setting,
@@ -40,7 +39,9 @@ from common import (  # noqa: E402
     report,
     resolve_cp_size,
 )
-from hf_blockdiag_cp.attention.cp import comm_stats  # noqa: E402
+
+import hf_blockdiag_cp as bd  # noqa: E402  (registers attn_implementation="blockdiag_cp")
+from hf_blockdiag_cp import comm_stats  # noqa: E402
 
 logger = logging.getLogger("train_packed_cp")
 

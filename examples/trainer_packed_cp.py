@@ -25,7 +25,6 @@ from transformers import TrainerCallback, TrainingArguments
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-import hf_blockdiag_cp as bd  # noqa: E402  (registers attn_implementation="blockdiag_cp")
 from common import (  # noqa: E402
     apply_lora,
     chunked_loss_setting,
@@ -44,7 +43,9 @@ from common import (  # noqa: E402
     report,
     trainer_arguments,
 )
-from hf_blockdiag_cp.attention.cp import comm_stats  # noqa: E402
+
+import hf_blockdiag_cp as bd  # noqa: E402  (registers attn_implementation="blockdiag_cp")
+from hf_blockdiag_cp import comm_stats  # noqa: E402
 
 logger = logging.getLogger("trainer_packed_cp")
 

@@ -12,17 +12,29 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from . import training
-from .attention import ATTN_IMPLEMENTATION, BlockDiagMask, blockdiag_attention, blockdiag_cp_attention, register
-from .config import BACKENDS, KV_EXCHANGES, PLACEMENTS, BlockDiagCPConfig
-from .attention.cp import CPKernelError
+from .attention import blockdiag_attention
+from .attention.layer import comm_stats
+from .config import BACKENDS, BlockDiagCPConfig
+from .config import KV_EXCHANGES as KV_EXCHANGES
+from .config import PLACEMENTS as PLACEMENTS
 from .context import BlockDiagCPContext
-from .distributed import AgreementError, CollectiveError, ExchangeSizeError
-from .kernels import BackendUnavailable
 from .data import PackedDataset, PackedRow, PackingCollator, from_flattened, sliding_windows
-from .planning import PlanError, VarlenPlan, build_varlen_plan
-from .planning.layout import HeadShape
+from .errors import (
+    AgreementError,
+    BlockDiagCPError,
+    CollectiveError,
+    CPKernelError,
+    UnsupportedModel,
+)
+from .errors import BackendUnavailable as BackendUnavailable
+from .errors import ExchangeSizeError as ExchangeSizeError
+from .errors import ParameterMismatchError as ParameterMismatchError
+from .errors import PlanError as PlanError
+from .integration import ATTN_IMPLEMENTATION, register
+from .integration import blockdiag_cp_attention as blockdiag_cp_attention
+from .model import prepare_model
+from .planning.layout import HeadShape as HeadShape
 from .training import (
-    ParameterMismatchError,
     check_chunked_loss,
     check_collator,
     check_parameters_consistent,
@@ -41,47 +53,42 @@ if TYPE_CHECKING:
 
 __version__ = "0.1.0"
 
+#: What users call (at most 30 names). Also importable here, for code written against earlier versions, but not
+#: listed: the other exceptions (all in :mod:`hf_blockdiag_cp.errors`, all subclasses of BlockDiagCPError),
+#: ``KV_EXCHANGES`` / ``PLACEMENTS`` (:mod:`.config`), ``HeadShape`` (:mod:`.planning.layout`), and the
+#: registered attention function with its ``register`` (:mod:`.integration`, run on import).
 __all__ = [
-    "AgreementError",
-    "BackendUnavailable",
-    "CPKernelError",
-    "CPSFTTrainer",
-    "CollectiveError",
-    "ExchangeSizeError",
-    "HeadShape",
     "ATTN_IMPLEMENTATION",
+    "AgreementError",
     "BACKENDS",
     "BlockDiagCPConfig",
     "BlockDiagCPContext",
-    "BlockDiagMask",
+    "BlockDiagCPError",
+    "CPKernelError",
+    "CPSFTTrainer",
     "CPTrainer",
-    "KV_EXCHANGES",
-    "PLACEMENTS",
+    "CollectiveError",
     "PackedDataset",
     "PackedRow",
     "PackingCollator",
-    "ParameterMismatchError",
-    "PlanError",
-    "VarlenPlan",
+    "UnsupportedModel",
     "blockdiag_attention",
-    "blockdiag_cp_attention",
-    "build_varlen_plan",
     "check_chunked_loss",
     "check_collator",
     "check_parameters_consistent",
     "chunked_causal_lm_loss",
+    "comm_stats",
     "cp_coordinates",
     "dp_dataloader",
+    "from_flattened",
     "guard_model",
     "init_device_mesh",
     "normalize_num_items",
+    "prepare_model",
     "reduce_loss_for_logging",
-    "from_flattened",
-    "register",
     "sliding_windows",
     "ulysses_groups",
 ]
-
 register()
 
 

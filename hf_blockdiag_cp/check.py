@@ -1,11 +1,7 @@
-"""``python -m hf_blockdiag_cp.check``: the conformance check's command line (kept at this name; the code
-lives in :mod:`hf_blockdiag_cp.conformance`). ``--help`` lists the options."""
-
-from __future__ import annotations
-
-from .conformance import CheckResult, check_model, main, tiny_config
-
-__all__ = ["CheckResult", "check_model", "main", "tiny_config"]
+"""``python -m hf_blockdiag_cp.check``: the documented command of the conformance check (``--help`` lists the
+options). Only an entry point: the code, and what to import, is :mod:`hf_blockdiag_cp.conformance`."""
 
 if __name__ == "__main__":
+    from hf_blockdiag_cp.conformance.cli import main
+
     raise SystemExit(main())

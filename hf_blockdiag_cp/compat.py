@@ -4,7 +4,7 @@ Each entry has a test in tests/package/test_compat.py that fails when the upstre
 behaviour changes; pyproject.toml bounds the dependencies to the versions those tests cover (torch 2.13,
 transformers 5.25, accelerate 1.16). This module imports no part of the package (it sits below every
 subpackage) and no optional or slow dependency: callers pass the objects in. The transformers methods
-the package wraps are listed, and tested, in :mod:`hf_blockdiag_cp.model.transformers_patches`.
+the package wraps are listed, and tested, in :mod:`hf_blockdiag_cp.integration`.
 """
 
 from __future__ import annotations
@@ -17,9 +17,43 @@ import torch
 import torch.distributed as dist
 from torch.distributed.distributed_c10d import _resolve_process_group
 
-__all__ = ["CPU_FLASH_ATTENTION", "CPU_FLASH_ATTENTION_BACKWARD", "TRAINER_PRIVATE_METHODS", "accelerate_prepared",
-           "backend_options", "backend_timeouts", "check_trainer_internals", "forget_accelerate_prepared",
-           "forward_hooks", "resolve_process_group"]
+__all__ = ["CPU_FLASH_ATTENTION", "CPU_FLASH_ATTENTION_BACKWARD", "MASK_CLOSURES", "TRAINER_PRIVATE_METHODS",
+           "accelerate_prepared", "backend_options", "backend_timeouts", "can_set_attn_implementation",
+           "check_trainer_internals", "forget_accelerate_prepared", "forward_hooks", "model_from_config",
+           "resolve_process_group"]
+
+# ---- transformers -----------------------------------------------------------------------------------------
+
+#: ``transformers.masking_utils`` mask building blocks as attention/mask_spec.py recognises them: role ->
+#: the ``__qualname__`` of the function (or of the closure the factory returns). Their closure variables
+#: (``mask_functions``, ``sliding_window``, ``chunk_size``, ``left_padding``, ``packed_sequence_mask``,
+#: ``mask_function``, ``padding_mask``) are read by name: private, and tested in tests/package/test_compat.py.
+MASK_CLOSURES: dict[str, str] = {
+    "causal": "causal_mask_function",
+    "bidirectional": "bidirectional_mask_function",
+    "and": "and_masks.<locals>.and_mask",
+    "or": "or_masks.<locals>.or_mask",
+    "sliding_window": "sliding_window_overlay.<locals>.inner_mask",
+    "chunked": "chunked_overlay.<locals>.inner_mask",
+    "packed_sequence": "packed_sequence_mask_function.<locals>.inner_mask",
+    "remap_positions": "remap_positions_for_packed_sequence.<locals>.inner_mask",
+    "padding": "padding_mask_function.<locals>.inner_mask",
+    "bidirectional_sliding_window": "sliding_window_bidirectional_overlay.<locals>.inner_mask",
+}
+
+
+def can_set_attn_implementation(model_class: type) -> bool | None:
+    """transformers' own source heuristic of whether ``model_class`` routes attention through
+    ``AttentionInterface`` (the private classmethod ``_can_set_attn_implementation``); ``None`` when absent."""
+    can_set = getattr(model_class, "_can_set_attn_implementation", None)
+    return None if can_set is None else bool(can_set())
+
+
+def model_from_config(model_class: type, config: Any, **kwargs: Any) -> Any:
+    """``model_class._from_config(config, **kwargs)``: a model of a class that no Auto class maps the config's
+    type to (the text model of a composite type), built like ``from_config`` builds one."""
+    return model_class._from_config(config, **kwargs)
+
 
 # ---- torch ----------------------------------------------------------------------------------------------
 

@@ -11,13 +11,28 @@ import datetime
 import os
 from dataclasses import dataclass, field
 
-__all__ = ["ATTN_IMPLEMENTATION", "BACKENDS", "KV_EXCHANGES", "PLACEMENTS", "BlockDiagCPConfig", "ENV_VARS"]
+__all__ = ["ATTN_IMPLEMENTATION", "BACKENDS", "KV_EXCHANGES", "PLACEMENTS", "BlockDiagCPConfig", "ENV_VARS",
+           "add_backend_name", "backend_choices"]
 
 #: The name this package registers with transformers (``attn_implementation="blockdiag_cp"``).
 ATTN_IMPLEMENTATION = "blockdiag_cp"
 
-#: Attention kernel backends, in no particular order ("auto" picks per device and dtype).
+#: The built-in attention kernel backends ("auto" picks per device and dtype); what each can run is declared in
+#: its module's ``CAPABILITIES`` (:mod:`hf_blockdiag_cp.kernels`), which also checks this list.
 BACKENDS: tuple[str, ...] = ("auto", "flash", "te", "torch_varlen", "flex", "sdpa_doc", "sdpa_mask")
+#: Backends registered beyond the built-in ones (:func:`hf_blockdiag_cp.kernels.register_backend` is its owner).
+_REGISTERED: list[str] = []
+
+
+def add_backend_name(name: str) -> None:
+    """Accept ``name`` as a backend in configurations (called by ``kernels.register_backend`` only)."""
+    if name not in BACKENDS and name not in _REGISTERED:
+        _REGISTERED.append(name)
+
+
+def backend_choices() -> tuple[str, ...]:
+    """Every name ``BlockDiagCPConfig.backend`` accepts: :data:`BACKENDS` and the registered backends."""
+    return BACKENDS + tuple(_REGISTERED)
 #: K/V exchange strategies across context-parallel ranks.
 KV_EXCHANGES: tuple[str, ...] = ("auto", "allgather", "halo", "a2a")
 #: Which row positions each CP rank holds (see :mod:`hf_blockdiag_cp.planning.placement`).
@@ -170,9 +185,10 @@ class BlockDiagCPConfig:
         default_factory=lambda: _env_float("layout_flops_per_byte", DEFAULT_LAYOUT_FLOPS_PER_BYTE))
 
     def __post_init__(self) -> None:
-        if not isinstance(self.backend, str) or self.backend.lower() not in BACKENDS:
+        backends = backend_choices()
+        if not isinstance(self.backend, str) or self.backend.lower() not in backends:
             raise ValueError(f"backend={self.backend!r} (env {ENV_VARS['backend']}) is not one of "
-                             f"{', '.join(BACKENDS)}")
+                             f"{', '.join(backends)}")
         if not isinstance(self.kv_exchange, str) or self.kv_exchange.lower() not in KV_EXCHANGES:
             raise ValueError(f"kv_exchange={self.kv_exchange!r} (env {ENV_VARS['kv_exchange']}) is not one of "
                              f"{', '.join(KV_EXCHANGES)}")
@@ -191,10 +207,10 @@ class BlockDiagCPConfig:
             raise TypeError(f"disabled_backends={names!r} (env {ENV_VARS['disabled_backends']}) must be a tuple of "
                             "backend names")
         disabled = tuple(name.lower() for name in names)
-        unknown = [name for name in disabled if name not in BACKENDS or name == "auto"]
+        unknown = [name for name in disabled if name not in backends or name == "auto"]
         if unknown:
             raise ValueError(f"disabled_backends={unknown!r} (env {ENV_VARS['disabled_backends']}) are not backend "
-                             f"names ({', '.join(BACKENDS[1:])})")
+                             f"names ({', '.join(backends[1:])})")
         object.__setattr__(self, "disabled_backends", disabled)
         timeout = self.collective_timeout_s
         if (isinstance(timeout, bool) or not isinstance(timeout, (int, float))

@@ -5,7 +5,7 @@ as the ``cp_context`` keyword to every attention layer (also through gradient-ch
 and the HF ``Trainer``). It is frozen data: layers only read it, and it pickles (DataLoader workers)
 to the same bytes before and after a step. What the layers derive from it during the step (device
 plans, the rank agreement, the rank's exchange, kernel schedules, byte counters) lives in the
-attention package's :class:`~hf_blockdiag_cp.attention.runtime.StepRuntime`, shared by a context and
+:class:`~hf_blockdiag_cp.runtime.StepRuntime`, shared by a context and
 its device copies through one attribute, :attr:`BlockDiagCPContext.origin`.
 """
 
@@ -25,9 +25,9 @@ from .config import BlockDiagCPConfig
 from .distributed.groups import GroupRef, group_to_ref, ref_to_group
 from .planning import PlanError, VarlenPlan, as_doc_ids, build_varlen_plan
 from .planning.exchange import ExchangePlan, plan_exchange
+from .planning.fingerprint import fingerprint, plan_fingerprint, shard_checksums
 from .planning.layout import HeadShape, LayoutPlan, plan_layout
 from .planning.placement import Placement, make_placement
-from .planning.fingerprint import fingerprint, plan_fingerprint, shard_checksums
 
 __all__ = ["BlockDiagCPContext"]
 
@@ -71,7 +71,7 @@ class BlockDiagCPContext:
     One attribute is not a field (not compared, not pickled, not carried by ``dataclasses.replace``):
     ``origin``, the context a device copy was made from by :meth:`to` (``None`` on the context the
     collator built). The attention layers key the step's runtime by ``origin or self``, so a context and
-    its device copies share one (:func:`hf_blockdiag_cp.attention.runtime.step_runtime`).
+    its device copies share one (:func:`hf_blockdiag_cp.runtime.step_runtime`).
     """
 
     doc_ids: torch.Tensor
@@ -251,7 +251,8 @@ class BlockDiagCPContext:
         """Raise if an attention call's local shapes disagree with this context."""
         if batch_size != self.batch_size or local_len != self.local_len:
             raise PlanError(f"cp_context plans [B={self.batch_size}, L={self.local_len}] local rows but the attention "
-                            f"layer got [B={batch_size}, L={local_len}]; was the batch built by this context's collator?")
+                            f"layer got [B={batch_size}, L={local_len}]; was the batch built by this context's "
+                            f"collator?")
 
 
 def _shard_checksums(placement: Placement, shape: torch.Size, input_ids: Any,
@@ -339,4 +340,5 @@ def _layout_context(cls: type[BlockDiagCPContext], layout: LayoutPlan, ids: torc
     return cls(row_offset=int(local_index[0]), local_index=local_index, plan=plan, exchange=exchange,
                placement=layout.placement, window_plans=window_plans, plan_fingerprint=plan_fp, layout=layout,
                head_group=head_group, seq_group=seq_group,
-               shard_checksums=_shard_checksums(layout.placement, ids.shape, input_ids, common["position_ids"]), **common)
+               shard_checksums=_shard_checksums(layout.placement, ids.shape, input_ids, common["position_ids"]),
+               **common)

@@ -23,7 +23,6 @@ from typing import Any
 
 import torch.multiprocessing as mp
 
-
 ROOT = Path(__file__).resolve().parents[1]
 CPU_CP2 = ROOT / "configs" / "accelerate" / "cpu_cp2.yaml"
 LOCALHOST = "127.0.0.1"

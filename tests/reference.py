@@ -76,6 +76,28 @@ def tiny_model(kind: str = "llama", attn_implementation: str = "sdpa", seed: int
     return model
 
 
+def random_documents(lengths: Sequence[int], seed: int = 7, vocab: int = 97) -> list[torch.Tensor]:
+    """1-D token tensors of the given lengths (ids in ``[1, vocab)``; 0 is padding)."""
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randint(1, vocab, (n,), generator=gen) for n in lengths]
+
+
+def documents_alone(kind: str, docs: Sequence[torch.Tensor], model: torch.nn.Module | None = None
+                    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """The reference of every packed test: each document alone through the unmodified (stock ``"sdpa"``) model.
+
+    Runs ``docs`` (1-D token tensors) one by one through ``model`` (default: the tiny model of ``kind``) and
+    backpropagates the mean next-token loss over all documents. Returns ``(logits [T, V]`` in row order,
+    ``{parameter name: grad})``.
+    """
+    model = model if model is not None else tiny_model(kind, attn_implementation="sdpa")
+    count = sum(len(d) - 1 for d in docs)
+    logits = [model(d[None], use_cache=False).logits[0] for d in docs]
+    loss = sum(torch.nn.functional.cross_entropy(lg[:-1], d[1:], reduction="sum") for lg, d in zip(logits, docs))
+    (loss / count).backward()
+    return torch.cat(logits).detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
 def per_document_sgd_step(docs: Sequence[torch.Tensor]) -> tuple[dict, dict, float]:
     """One SGD step (lr 1) of one process on ``docs`` (1-D token tensors), each run alone through the
     stock ``"sdpa"`` tiny Llama, loss = mean next-token loss over all documents.

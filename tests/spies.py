@@ -8,7 +8,7 @@ from collections.abc import Callable, Iterator
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface
 
-from hf_blockdiag_cp.attention.hf import blockdiag_cp_mask
+from hf_blockdiag_cp.integration import blockdiag_cp_mask
 
 
 @contextlib.contextmanager

@@ -1,14 +1,15 @@
-"""Attention entry points: the public function, the plan runner and the transformers integration."""
+"""Attention math and plumbing: the plan runner, the CP exchange paths and the run-time state of a step.
+
+Knows nothing of transformers models: the registered attention function lives in
+:mod:`hf_blockdiag_cp.integration`, model preparation in :mod:`hf_blockdiag_cp.model`.
+"""
 
 from .core import attend_flat, blockdiag_attention
-from .hf import ATTN_IMPLEMENTATION, BlockDiagMask, blockdiag_cp_attention, blockdiag_cp_mask, register
+from .mask import BlockDiagMask, blockdiag_cp_mask
 
 __all__ = [
-    "ATTN_IMPLEMENTATION",
     "BlockDiagMask",
     "attend_flat",
     "blockdiag_attention",
-    "blockdiag_cp_attention",
     "blockdiag_cp_mask",
-    "register",
 ]

@@ -30,9 +30,9 @@ from ..planning import (
 )
 from ..planning.documents import check_cu_seqlens, run_boundaries, run_starts
 from ..planning.varlen import Segment
+from ..runtime import DevicePlan
 from .mask import BlockDiagMask
 from .mask_spec import MaskSpec
-from .runtime import DevicePlan
 
 __all__ = ["check_keywords", "chunked_context_plan", "plan_from_kwargs", "refuse_appended_keys"]
 

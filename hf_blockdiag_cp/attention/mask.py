@@ -15,14 +15,12 @@ from typing import Any
 
 import torch
 
+from ..config import BlockDiagCPConfig
+from ..errors import MaskConsumedError
+from ..runtime import DevicePlan
 from .mask_spec import MaskSpec, describe_mask_function
-from .runtime import DevicePlan
 
 __all__ = ["BlockDiagMask", "MaskConsumedError", "blockdiag_cp_mask"]
-
-
-class MaskConsumedError(NotImplementedError):
-    """Model code used the attention mask itself (outside the attention function)."""
 
 
 def _mask_consumed(mask: BlockDiagMask, what: str) -> MaskConsumedError:
@@ -48,6 +46,8 @@ class BlockDiagMask:
         plans: per-forward device plans (with their kernel schedules) derived from keyword arguments, by
             ``(B, L, S)`` of the layer's query and keys (owned here, reused by every layer of the forward
             and by its recompute).
+        config: the configuration of calls without a ``cp_context``, read (environment variables included)
+            once per forward, when transformers builds the mask, not in every layer.
 
     ``generate()`` with a compilable (static) cache builds the mask once and feeds it back to the
     model as ``attention_mask``; for that round trip the object presents itself as the 2-D padding
@@ -65,6 +65,7 @@ class BlockDiagMask:
     spec: MaskSpec = field(default_factory=lambda: describe_mask_function(None))
     model_type: str = "this model"
     plans: dict[tuple[int, int, int], DevicePlan] = field(default_factory=dict, repr=False)
+    config: BlockDiagCPConfig = field(default_factory=BlockDiagCPConfig, repr=False)
 
     ndim = 2
 
@@ -118,7 +119,8 @@ def blockdiag_cp_mask(batch_size: int, q_length: int, kv_length: int, q_offset: 
     padding, source = None, attention_mask
     if attention_mask is not None:
         if attention_mask.dim() != 2:
-            raise ValueError(f"blockdiag_cp expects a 2-D padding attention_mask, got shape {tuple(attention_mask.shape)}")
+            raise ValueError(f"blockdiag_cp expects a 2-D padding attention_mask, got shape "
+                             f"{tuple(attention_mask.shape)}")
         padding = attention_mask.to(torch.bool)
         end = kv_offset + kv_length
         if padding.shape[-1] < end:  # static caches size keys beyond what was seen: those are not real

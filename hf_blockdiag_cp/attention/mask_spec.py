@@ -18,6 +18,8 @@ from typing import Any
 
 import torch
 
+from ..compat import MASK_CLOSURES
+
 __all__ = ["MaskSpec", "describe_mask_function"]
 
 _MASKING = "transformers.masking_utils"
@@ -91,32 +93,32 @@ def _walk(fn: Callable, spec: MaskSpec) -> None:
         spec.refuse(f"the model composes its own mask function {_name(fn)} into the attention mask")
         return
     free = _nonlocals(fn)
-    if qualname == "causal_mask_function":
+    if qualname == MASK_CLOSURES["causal"]:
         spec.causal = True
-    elif qualname == "bidirectional_mask_function":
+    elif qualname == MASK_CLOSURES["bidirectional"]:
         spec.bidirectional = True
-    elif qualname == "and_masks.<locals>.and_mask":
+    elif qualname == MASK_CLOSURES["and"]:
         for part in free.get("mask_functions", ()):
             _walk(part, spec)
-    elif qualname == "or_masks.<locals>.or_mask":
+    elif qualname == MASK_CLOSURES["or"]:
         parts = ", ".join(_name(p) for p in free.get("mask_functions", ()))
         spec.refuse(f"the mask is a union of patterns ({parts}), e.g. bidirectional blocks for image tokens or a "
                     "prefix, which is not block-diagonal causal attention")
-    elif qualname == "sliding_window_overlay.<locals>.inner_mask":
+    elif qualname == MASK_CLOSURES["sliding_window"]:
         window = int(free["sliding_window"])
         spec.window = window if spec.window is None else min(spec.window, window)
-    elif qualname == "chunked_overlay.<locals>.inner_mask":
+    elif qualname == MASK_CLOSURES["chunked"]:
         spec.chunk_size = int(free["chunk_size"])
         spec.chunk_left_padding = free.get("left_padding")
-    elif qualname == "packed_sequence_mask_function.<locals>.inner_mask":
+    elif qualname == MASK_CLOSURES["packed_sequence"]:
         spec.packed = free["packed_sequence_mask"]
-    elif qualname == "remap_positions_for_packed_sequence.<locals>.inner_mask":
+    elif qualname == MASK_CLOSURES["remap_positions"]:
         # Inside one packed document positions are consecutive, so a causal / window / chunk rule on
         # positions is the same rule on indices counted from the document start.
         _walk(free["mask_function"], spec)
-    elif qualname == "padding_mask_function.<locals>.inner_mask":
+    elif qualname == MASK_CLOSURES["padding"]:
         spec.padding = free["padding_mask"]
-    elif qualname in ("sliding_window_bidirectional_overlay.<locals>.inner_mask",):
+    elif qualname == MASK_CLOSURES["bidirectional_sliding_window"]:
         spec.bidirectional = True
         spec.refuse("a bidirectional sliding-window (encoder) mask")
     else:

@@ -1,6 +1,6 @@
 """The head-parallel (Ulysses) CP path of one layer: agree -> heads to tokens -> K/V exchange -> kernel -> back.
 
-Called instead of :func:`~.cp.cp_attention` when the step's context chose ``u > 1``
+Called instead of :func:`~.cp.sequence_attention` when the step's context chose ``u > 1``
 (:attr:`~hf_blockdiag_cp.context.BlockDiagCPContext.ulysses_size`). Each rank starts with its ``L``
 tokens for all heads; the all-to-all inside its ``u``-rank subgroup gives it the subgroup's ``u * L``
 tokens for ``Hq / u`` query heads (:mod:`hf_blockdiag_cp.distributed.ulysses`); with ``c > 1``
@@ -8,32 +8,23 @@ sequence groups the K/V of those heads that its queries need from other groups a
 today's needed-only exchange between the ``c`` ranks of equal head rank; the kernel runs the
 sequence group's plan; the output goes back by the inverse all-to-all. Everything was planned on
 the host (:func:`~hf_blockdiag_cp.context.BlockDiagCPContext.build`); the step's
-:class:`~.runtime.StepRuntime` holds the device-ready collectives, built by the first layer.
+:class:`~hf_blockdiag_cp.runtime.StepRuntime` holds the device-ready collectives, built by the first layer.
+The row check, backend agreement, K/V exchange and kernel run are the shared ones of :mod:`.layer`; only the
+head all-to-all is particular to this layout.
 """
 
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 
 from ..context import BlockDiagCPContext
-from ..distributed import RankExchange
-from ..distributed.groups import GroupRef
 from ..distributed.ulysses import HeadA2A, heads_to_tokens, tokens_to_heads
 from ..planning import PlanError
-from ..planning.exchange import ExchangePlan, Strategy
-from .core import attend_flat, check_qkv, flat_rows, kernel_spec
-from .cp import _backend, _timeout, exchange_fused_kv, kernel_failed
-from .runtime import device_plan, plan_key, step_runtime
+from ..runtime import device_plan, step_runtime
+from .core import flat_rows, kernel_spec
+from .layer import check_local_rows, exchange_fused_kv, kv_exchange, require_live_group, run_kernel, step_backend
 
-__all__ = ["ulysses_attention"]
-
-
-def _live(group: object, name: str, ctx: BlockDiagCPContext) -> None:
-    if group is None or isinstance(group, GroupRef) or not dist.is_initialized():
-        raise RuntimeError(f"cp_context (ulysses_size={ctx.ulysses_size}) has no live {name} process group here "
-                           f"({group!r}); create the subgroups with hf_blockdiag_cp.ulysses_groups in the training "
-                           "process and give them to the collator")
+__all__ = ["head_parallel_attention"]
 
 
 def _head_a2a(ctx: BlockDiagCPContext, device: torch.device) -> HeadA2A:
@@ -41,39 +32,16 @@ def _head_a2a(ctx: BlockDiagCPContext, device: torch.device) -> HeadA2A:
     runtime = step_runtime(ctx)
     found = runtime.head_a2a.get(device)
     if found is None:
-        _live(ctx.head_group, "head-parallel", ctx)
+        require_live_group(ctx, ctx.head_group, "head-parallel")
         found = runtime.head_a2a[device] = HeadA2A.build(
             ctx.layout.heads, ctx.cp_rank, ctx.head_group, timeout_s=ctx.config.collective_timeout_s, device=device,
             stats=runtime.comm)
     return found
 
 
-def _group_exchange(ctx: BlockDiagCPContext, device: torch.device, window: int | None) -> RankExchange | None:
-    """This rank's K/V exchange with the ranks of equal head rank in the other sequence groups (``None``
-    when nothing moves), once per step, device and planned window."""
-    key = plan_key(ctx, device, window)
-    exchanges = step_runtime(ctx).exchanges
-    if key not in exchanges:
-        _, plan = ctx.plans_for(key.window)
-        moves = plan is not None and plan.strategy != Strategy.NONE
-        exchanges[key] = _seq_exchange(ctx, plan, device) if moves else None
-    return exchanges[key]
-
-
-def _seq_exchange(ctx: BlockDiagCPContext, plan: ExchangePlan, device: torch.device) -> RankExchange:
-    """Run ``plan`` (the ``c``-rank exchange) as sequence group ``cp_rank // u`` over the sequence subgroup."""
-    _live(ctx.seq_group, "sequence-group", ctx)
-    u = ctx.ulysses_size
-    group, head_rank = divmod(ctx.cp_rank, u)
-    peers = tuple(dist.get_global_rank(ctx.group, g * u + head_rank) for g in range(plan.cp_size))
-    transfer = plan.for_rank(group)
-    return RankExchange(transfer, plan.cp_size, peers, transfer.send_index.to(device), _timeout(ctx), ctx.seq_group,
-                        step_runtime(ctx).comm)
-
-
-def ulysses_attention(ctx: BlockDiagCPContext, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *,
-                      dropout_p: float, scale: float, window: int | None, softcap: float | None,
-                      sinks: torch.Tensor | None = None, chunk_size: int | None = None) -> torch.Tensor:
+def head_parallel_attention(ctx: BlockDiagCPContext, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *,
+                            dropout_p: float, scale: float, window: int | None, softcap: float | None,
+                            sinks: torch.Tensor | None = None, chunk_size: int | None = None) -> torch.Tensor:
     """Block-diagonal attention of this rank's local rows under the step's ``u x c`` layout.
 
     Args:
@@ -84,18 +52,13 @@ def ulysses_attention(ctx: BlockDiagCPContext, query: torch.Tensor, key: torch.T
         chunk_size: the mask's attention chunk (llama4): not supported under a head-parallel layout.
 
     Returns:
-        ``[L, Hq, Dv]`` (padding rows are zeros), like :func:`~.cp.cp_attention`.
+        ``[L, Hq, Dv]`` (padding rows are zeros), like :func:`~.cp.sequence_attention`.
     """
     if chunk_size is not None:
         raise NotImplementedError("chunked attention (attention_chunk_size) is not implemented with ulysses_size > 1; "
                                   "use ulysses_size=1 for this model")
-    check_qkv(query, key, value)
-    layout = ctx.layout
-    split = layout.heads
-    local_len = query.shape[2]
-    if query.shape[0] != 1 or key.shape[2] != local_len:
-        raise PlanError(f"CP attention expects one packed row per micro-batch and local keys: got query "
-                        f"{tuple(query.shape)}, key {tuple(key.shape)}")
+    check_local_rows(query, key, value)
+    split = ctx.layout.heads
     if query.shape[1] != split.num_q_heads or key.shape[1] != split.num_kv_heads:
         raise PlanError(f"the step's layout was planned for {split.num_q_heads} query and {split.num_kv_heads} K/V "
                         f"heads, but this attention layer has {query.shape[1]} and {key.shape[1]}; give the collator "
@@ -105,21 +68,15 @@ def ulysses_attention(ctx: BlockDiagCPContext, query: torch.Tensor, key: torch.T
     # The kernel sees this rank's head slice; the agreement (first layer) runs before any head moves.
     spec = kernel_spec(query[:, :q_per_rank], key[:, :kv_per_rank], value[:, :kv_per_rank], dropout_p=dropout_p,
                        window=window, softcap=softcap, sinks=sinks)
-    backend = _backend(ctx, spec, device)
+    backend = step_backend(ctx, spec, device)
     a2a = _head_a2a(ctx, device)
     q, k, v = heads_to_tokens(query, key, value, a2a)  # [1, Hq/u, u*L, D], [1, n_kv, u*L, D / Dv]
-    k_flat, v_flat = flat_rows(k), flat_rows(v)
-    ex = _group_exchange(ctx, device, window)
-    if ex is not None:  # between the sequence groups, for this rank's heads only
-        k_flat, v_flat = exchange_fused_kv(k_flat, v_flat, ex)
+    # Between the sequence groups, for this rank's heads only.
+    k_flat, v_flat = exchange_fused_kv(flat_rows(k), flat_rows(v), kv_exchange(ctx, device, window))
     first = a2a.head_rank * q_per_rank
     head_sinks = None if sinks is None else sinks[first:first + q_per_rank]
     dplan = device_plan(ctx, device, window)
-    try:
-        out = attend_flat(flat_rows(q), k_flat, v_flat, dplan.plan, backend, scale=scale, dropout_p=dropout_p,
-                          window=window, softcap=softcap, sinks=head_sinks, config=ctx.config,
-                          schedules=dplan.schedules)  # [u*L, Hq/u, Dv]
-    except Exception as err:
-        raise kernel_failed(ctx, backend, err) from err
+    out = run_kernel(ctx, flat_rows(q), k_flat, v_flat, dplan, backend, scale=scale, dropout_p=dropout_p,
+                     window=window, softcap=softcap, sinks=head_sinks)  # [u*L, Hq/u, Dv]
     out = tokens_to_heads(out.transpose(0, 1).unsqueeze(0), a2a)  # [1, Hq, L, Dv]
     return out[0].transpose(0, 1)

@@ -12,10 +12,10 @@ from typing import Any
 import torch
 import transformers
 
+from . import result as outcome
 from .configs import VOCAB, composite_reason, text_config, tiny_config
 from .launch import run_cp
 from .result import EXACT, FAIL, GRAD_RTOL, LOGITS_ATOL, NOT_APPLICABLE, REFUSED, CheckResult, describe_error
-from .result import is_refusal
 from .runs import (
     VARIANTS,
     accepts_keyword,
@@ -65,7 +65,7 @@ def _check(model_name: str, result: CheckResult, *, cp_size: int, seed: int, gen
         ours = build_model(config, "blockdiag_cp", seed)
         ours.load_state_dict(stock.state_dict())
     except Exception as err:
-        result.status, result.reason = (REFUSED if is_refusal(err) else FAIL), describe_error(err)
+        result.status, result.reason = (REFUSED if outcome.is_refusal(err) else FAIL), describe_error(err)
         return
     docs = make_documents(config, seed)
     try:
@@ -91,7 +91,7 @@ def _check(model_name: str, result: CheckResult, *, cp_size: int, seed: int, gen
             else:
                 logits, grads = packed_run(ours, docs, inputs)
         except Exception as err:
-            if is_refusal(err):
+            if outcome.is_refusal(err):
                 result.variants[variant] = f"refused: {describe_error(err)}"
                 refusals.append(describe_error(err))
             else:
@@ -156,7 +156,7 @@ def check_generate(stock: torch.nn.Module, ours: torch.nn.Module, config: Any, s
     try:
         got = _generate(ours, config, seed)
     except Exception as err:
-        if is_refusal(err):
+        if outcome.is_refusal(err):
             return f"refused: {describe_error(err, 400)}"
         return f"FAIL: {describe_error(err, 400)}"
     return "equal" if got.shape == expected.shape and torch.equal(got, expected) else "different"

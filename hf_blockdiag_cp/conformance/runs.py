@@ -14,6 +14,7 @@ import torch
 import transformers
 from transformers import AutoModelForCausalLM
 
+from ..compat import model_from_config
 from ..data import Document, PackedRow, PackingCollator
 from .configs import VOCAB, causal_lm_names, text_config
 
@@ -51,7 +52,7 @@ def build_model(config: Any, attn_implementation: str | None, seed: int = 0) -> 
         if getattr(config, "model_type", None) in causal_lm_names():
             model = AutoModelForCausalLM.from_config(config, **kwargs)
         else:  # the text config of a composite type, with its causal LM class named in `architectures`
-            model = getattr(transformers, config.architectures[0])._from_config(config, **kwargs)
+            model = model_from_config(getattr(transformers, config.architectures[0]), config, **kwargs)
     if hasattr(model, "set_default_language"):  # X-MOD needs a language adapter chosen
         model.set_default_language(list(getattr(config, "languages", ["en_XX"]))[0])
     return model.float().eval()

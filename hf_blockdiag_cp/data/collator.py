@@ -12,6 +12,7 @@ import torch
 from .._validate import check_int
 from ..config import PLACEMENTS, BlockDiagCPConfig
 from ..distributed.groups import group_to_ref, ref_to_group
+from ..model.heads import head_shape
 from ..planning.layout import HeadShape
 from .examples import Document, read_example
 from .packing import check_overflow, rows_of_documents
@@ -89,7 +90,8 @@ class PackingCollator:
         if self.placement not in PLACEMENTS:
             raise ValueError(f"placement={self.placement!r} is not one of {', '.join(PLACEMENTS)}")
         if self.placement == "zigzag" and seq_len % (2 * self.cp_size):
-            raise ValueError(f"placement='zigzag' needs seq_len={seq_len} divisible by 2 * cp_size = {2 * self.cp_size}")
+            raise ValueError(f"placement='zigzag' needs seq_len={seq_len} divisible by 2 * cp_size = "
+                             f"{2 * self.cp_size}")
         if vocab_size is not None and (isinstance(vocab_size, bool) or not isinstance(vocab_size, int)
                                        or not pad_token_id < vocab_size):
             raise ValueError(f"vocab_size={vocab_size!r} must be None or an int above pad_token_id={pad_token_id}")
@@ -223,7 +225,7 @@ def _layout_inputs(config: BlockDiagCPConfig, cp_size: int, heads: HeadShape | N
     if u == 1 or cp_size == 1:
         return heads, ulysses_groups
     if heads is None and model_config is not None:
-        heads = HeadShape.from_model_config(model_config)
+        heads = head_shape(model_config)
     if heads is None:
         raise ValueError(f"ulysses_size={u!r} splits attention heads over CP ranks: give the collator the model's "
                          "heads (model_config=model.config, or heads=HeadShape(num_q_heads, num_kv_heads, head_dim))")

@@ -39,7 +39,8 @@ def from_flattened(batch: Mapping[str, Any], *, cp_size: int | None = None, cp_r
             (equal when both are given, ending at ``T``), else ``seq_idx``, else ``position_ids`` (a new
             document wherever the position does not continue by +1). ``labels [1, T]`` are HF's
             unshifted labels (``separator_id``, by default -100, at each document's first token);
-            without them they are ``input_ids`` with -100 at document starts. ``position_ids`` are kept (else they restart at 0 per document).
+            without them they are ``input_ids`` with -100 at document starts. ``position_ids`` are kept (else they
+            restart at 0 per document).
         cp_size / cp_rank / group: as for :class:`PackingCollator`.
         pad_token_id / label_pad_id: fill values of the tail padding (``-100`` and ``label_pad_id``
             in ``labels`` both count as ignored).

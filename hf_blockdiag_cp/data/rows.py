@@ -109,8 +109,8 @@ def assemble_rows(rows: Sequence[Sequence[Document]], length: int, *, pad_token_
                                                torch.full((tail,), pad_token_id, dtype=torch.int64)]))
         columns["labels"].append(row_labels)
         columns["position_ids"].append(positions)
-        columns["doc_ids"].append(torch.from_numpy(np.repeat((np.arange(len(docs) + 1, dtype=np.int64) + 1) % (len(docs) + 1),
-                                                             np.append(lens_np, tail))))
+        ids = np.append(np.arange(1, len(docs) + 1, dtype=np.int64), 0)  # documents 1..n, then padding
+        columns["doc_ids"].append(torch.from_numpy(np.repeat(ids, np.append(lens_np, tail))))
     input_ids, labels, position_ids, doc_ids = (torch.stack(columns[k]) if batch > 1 else columns[k][0][None]
                                                 for k in ("input_ids", "labels", "position_ids", "doc_ids"))
     return FullRows(input_ids, labels, position_ids, doc_ids, shift_row_labels(labels, label_pad_id), label_pad_id)

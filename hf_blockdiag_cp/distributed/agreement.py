@@ -15,19 +15,16 @@ from __future__ import annotations
 import datetime
 import functools
 import operator
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.distributed as dist
 
+from ..errors import AgreementError
 from ..planning.fingerprint import PLAN_FIELDS, describe_plan_field
 from .exchange import CollectiveError, all_gather_single, check_usable, wait
 
-__all__ = ["FORWARD_FIELDS", "AgreementError", "agree_on_backends", "agree_on_forward"]
-
-
-class AgreementError(RuntimeError):
-    """CP ranks disagree about the step (different data, plans or topology); raised on every rank alike."""
+__all__ = ["AgreementError", "agree_on_backends", "agree_on_values"]
 
 
 def _mask(names: frozenset[str], universe: Sequence[str]) -> int:
@@ -114,103 +111,67 @@ def _plan_mismatch(plans: list[int], fields: list[list[int]]) -> str:
             "variables included), placement and sliding windows")
 
 
-# ---- per-forward agreement -------------------------------------------------------------------------------
-
-#: What every CP rank's forward must do alike, in the order the forward agreement exchanges it, with the
-#: likely cause of a difference.
-FORWARD_FIELDS: dict[str, str] = {
-    "forward": "the count of forwards run on this cp_context differs: a rank ran an extra forward (a debug or "
-               "evaluation forward, a manual recompute) or skipped one, or re-used the cp_context of an earlier "
-               "step; every forward on a context must run on every CP rank, and each step needs the context its "
-               "collator built",
-    "grad_enabled": "torch.no_grad() / inference_mode() is active on some ranks only",
-    "training": "model.train() / model.eval() differs between the ranks",
-    "checkpointing": "gradient checkpointing is on for some ranks only (their backward would recompute and "
-                     "exchange K/V again); enable it on every rank or on none",
-    "kv_dtype": "the K/V dtype differs (autocast on some ranks only, or models loaded in different dtypes): "
-                "K/V rows of different dtypes cannot be exchanged",
-    "autocast": "autocast is enabled on some ranks only",
-    "num_attention_heads": "the ranks' model configs differ",
-    "num_key_value_heads": "the ranks' model configs differ",
-    "head_dim": "the ranks' model configs differ",
-    "hidden_size": "the ranks' model configs differ",
-}
-#: The checked batch tensors, in row order (their expected checksums, then the forward's).
-FORWARD_TENSORS: tuple[str, ...] = ("input_ids", "position_ids")
-#: First entry of every forward agreement row: a row that lacks it was paired with another collective.
-_FORWARD_MAGIC = 0x6264_6370_6677  # "bdcpfw"
-DTYPES: tuple[torch.dtype, ...] = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+# ---- agreement on named integers (the model's per-forward agreement builds on it) --------------------------
 
 
-def dtype_code(dtype: torch.dtype) -> int:
-    """``dtype`` as a small int every rank encodes alike (for the forward agreement)."""
-    return DTYPES.index(dtype) if dtype in DTYPES else 100 + len(str(dtype))
-
-
-def _describe(name: str, value: int) -> str:
-    if name == "kv_dtype":
-        return str(DTYPES[value]).removeprefix("torch.") if 0 <= value < len(DTYPES) else f"dtype code {value}"
-    if name in ("grad_enabled", "training", "checkpointing", "autocast"):
-        return "on" if value else "off"
-    return str(value)
-
-
-def agree_on_forward(fields: dict[str, int], checksums: Sequence[torch.Tensor | int], expected: Sequence[int], *,
-                     group, rank: int, size: int, timeout: datetime.timedelta, device: torch.device) -> None:
-    """One small collective before a forward's first K/V exchange; raises :class:`AgreementError` on every
-    rank alike when the ranks' forwards differ.
+def agree_on_values(values: dict[str, int], checksums: Sequence[torch.Tensor | int], expected: Sequence[int], *,
+                    causes: dict[str, str], checked: dict[str, str], describe: Callable[[str, int], str],
+                    what: str, subject: str, on_timeout: str, tag: int, group, rank: int, size: int,
+                    timeout: datetime.timedelta, device: torch.device) -> None:
+    """One small collective in which every rank of ``group`` sends named integers and checksums; raises
+    :class:`AgreementError` on every rank alike when they differ.
 
     Args:
-        fields: this forward's :data:`FORWARD_FIELDS` (all of them, as ints).
-        checksums: per :data:`FORWARD_TENSORS`, the checksum of the tensor this forward received (a 0-d
-            int64 tensor on its device, computed there, or ``-1``: not given).
-        expected: per :data:`FORWARD_TENSORS`, what this rank's context says it must receive (``-1``: unknown).
+        values: this rank's value per name of ``causes`` (ints).
+        checksums: per name of ``checked``, the checksum of what this rank holds (a 0-d int64 tensor on its
+            device, computed there, or ``-1``: not given).
+        expected: per name of ``checked``, what this rank expects to hold (``-1``: unknown).
+        causes: every name, in the order the row carries it, with the likely cause of a difference.
+        checked: the checksummed names, in row order, each with a hint for a mismatch (may be empty).
+        describe: a value as the message shows it.
+        what: the collective's name in errors; subject: what the ranks agree about ("this forward");
+        on_timeout: the likely cause when a peer never joins (it ran a different sequence of calls).
+        tag: first entry of every row (a row without it was paired with another collective).
         group / rank / size / timeout / device: as for :func:`agree_on_backends`.
 
-    Each rank sends its own checksums with its own context's expectation, so every rank applies the same
-    rule to the same table. On gloo the row (checksums included) is read to the host before sending; on
-    NCCL the row goes to ``device`` and the table comes back once per forward.
+    Each rank sends its own checksums with its own expectation, so every rank applies the same rule to the same
+    table. On gloo the row (checksums included) is read to the host before sending; on NCCL the row goes to
+    ``device`` and the table comes back once per call.
     """
-    what = "blockdiag_cp forward agreement"
     check_usable(group, what, rank)
     on_cpu = dist.get_backend(group) != "nccl"
     where = torch.device("cpu") if on_cpu else device
-    host = torch.tensor([_FORWARD_MAGIC, rank, size, *(fields[name] for name in FORWARD_FIELDS), *expected],
-                        dtype=torch.int64)
+    host = torch.tensor([tag, rank, size, *(values[name] for name in causes), *expected], dtype=torch.int64)
     sums = [torch.as_tensor(c, dtype=torch.int64).reshape(1).to(where) for c in checksums]
-    row = torch.cat([host.to(where), *sums])  # [tag, rank, size, fields..., expected..., checksums...]
+    row = torch.cat([host.to(where), *sums])  # [tag, rank, size, values..., expected..., checksums...]
     width = row.numel()
     group_size = dist.get_world_size(group)
     table = row.new_empty(group_size * width)
     work = all_gather_single(table, row, group=group, async_op=True)
     try:
         wait(work, what, rank, timeout, group=group)
-    except CollectiveError as err:  # a peer inside another collective (e.g. its backward) ran fewer forwards
-        raise CollectiveError(f"{err} — if no peer failed, the ranks ran different forwards: "
-                              f"{FORWARD_FIELDS['forward']}") from err
-    rows = (table if on_cpu else table.cpu()).view(group_size, width).tolist()  # once per forward
-    strangers = [r for r, values in enumerate(rows) if values[0] != _FORWARD_MAGIC]
+    except CollectiveError as err:  # a peer inside another collective (e.g. its backward) ran fewer calls
+        raise CollectiveError(f"{err} — if no peer failed, {on_timeout}") from err
+    rows = (table if on_cpu else table.cpu()).view(group_size, width).tolist()  # once per call
+    strangers = [r for r, row_values in enumerate(rows) if row_values[0] != tag]
     if strangers:
         raise AgreementError(
-            f"CP rank {rank}: the forward agreement received another collective's message from rank(s) {strangers}: "
-            f"the ranks' collectives are out of order; {FORWARD_FIELDS['forward']}")
+            f"CP rank {rank}: the {what.removeprefix('blockdiag_cp ')} received another collective's message from "
+            f"rank(s) {strangers}: the ranks' collectives are out of order; {on_timeout}")
     _check_topology([r[1] for r in rows], [r[2] for r in rows], group_size)
     problems = []
-    for i, name in enumerate(FORWARD_FIELDS, start=3):
-        values = [r[i] for r in rows]
-        if len(set(values)) > 1:
-            quoted = ", ".join(f"rank {r}: {_describe(name, v)}" for r, v in enumerate(values))
-            problems.append(f"{name} ({quoted}): {FORWARD_FIELDS[name]}")
-    base = 3 + len(FORWARD_FIELDS)
-    for j, name in enumerate(FORWARD_TENSORS):
-        pairs = [(r, values[base + len(FORWARD_TENSORS) + j], values[base + j]) for r, values in enumerate(rows)]
+    for i, name in enumerate(causes, start=3):
+        column = [r[i] for r in rows]
+        if len(set(column)) > 1:
+            quoted = ", ".join(f"rank {r}: {describe(name, v)}" for r, v in enumerate(column))
+            problems.append(f"{name} ({quoted}): {causes[name]}")
+    base = 3 + len(causes)
+    for j, (name, hint) in enumerate(checked.items()):
+        pairs = [(r, row_values[base + len(checked) + j], row_values[base + j]) for r, row_values in enumerate(rows)]
         wrong = [f"rank {r} (checksum {got:#x}, its cp_context expects {want:#x})"
                  for r, got, want in pairs if min(got, want) >= 0 and got != want]
         if wrong:
-            positions = ("per-shard positions, no position_ids so that the model numbers the shard from 0 "
-                         "(guard_model supplies them), " if name == "position_ids" else "")
-            problems.append(f"{name} on {', '.join(wrong)}: the forward's {name} are not the shard the context was "
-                            f"built for ({name} edited after collation, {positions}or another batch's cp_context)")
+            problems.append(f"{name} on {', '.join(wrong)}: {hint}")
     if problems:
-        raise AgreementError("CP ranks disagree about this forward (checked before any K/V moves): "
+        raise AgreementError(f"CP ranks disagree about {subject} (checked before any K/V moves): "
                              + "; ".join(problems))

@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from ..errors import CollectiveError, ExchangeSizeError
 from ..planning.exchange import RankTransfer, Strategy
 
 __all__ = ["CollectiveError", "CommStats", "ExchangeSizeError", "RankExchange", "check_message", "check_usable",
@@ -41,18 +42,6 @@ __all__ = ["CollectiveError", "CommStats", "ExchangeSizeError", "RankExchange", 
 # torch 2.13 renamed the single-tensor collectives (the old names warn); older torch has only those.
 all_gather_single = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
 reduce_scatter_single = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)
-
-
-class CollectiveError(RuntimeError):
-    """A collective of the CP group failed or timed out (usually: a peer rank failed first).
-
-    The group is unusable afterwards: every later collective of this package on it raises this error
-    again at once. Catching it and going on cannot work; end the job and restart it (e.g. from the
-    last checkpoint)."""
-
-
-class ExchangeSizeError(ValueError):
-    """A K/V message does not have the size the plan gives its receiver (raised before it is sent)."""
 
 
 #: What happened to each broken group: group -> description of the failure. The one record of broken
@@ -274,7 +263,8 @@ class _AllToAll(torch.autograd.Function):
         check_usable(ex.group, "K/V gradient exchange", ex.rank)
         recv = ex.recv_rows
         returned = grad.new_empty(ex.send_index.numel(), grad.shape[1])
-        work = dist.all_to_all_single(returned, grad[:recv].contiguous(), output_split_sizes=list(ex.transfer.send_splits),
+        work = dist.all_to_all_single(returned, grad[:recv].contiguous(),
+                                      output_split_sizes=list(ex.transfer.send_splits),
                                       input_split_sizes=list(ex.transfer.recv_splits), group=ex.group, async_op=True)
         wait(work, "K/V gradient all-to-all", ex.rank, ex.timeout, group=ex.group)
         grad_local = grad[recv:].clone()

@@ -1,7 +1,9 @@
 """Attention kernel backends behind one contract (see :mod:`.base`) and their selection.
 
-Adding a backend is one new module (``NAME``, ``unavailable_reason``, ``attention``) and one line
-in :data:`_BACKENDS`.
+A backend is one module with ``NAME``, ``CAPABILITIES`` (a :class:`~.base.Capabilities`: devices, dtypes,
+features, its rank for ``backend="auto"``) and ``attention(q, k, v, call)``. Availability checks, the
+``"auto"`` preference order and the names the configuration accepts are all derived from the capabilities;
+:func:`register_backend` adds one (the built-in ones are registered below).
 """
 
 from __future__ import annotations
@@ -10,43 +12,75 @@ import functools
 import warnings
 from types import ModuleType
 
-from ..config import BACKENDS
+from ..config import BACKENDS, add_backend_name
 from . import flash, flex, sdpa_doc, sdpa_mask, te, torch_varlen
-from .base import BackendUnavailable, KernelCall, KernelSpec
+from .base import BackendUnavailable, Capabilities, KernelCall, KernelSpec
 
 __all__ = [
-    "AUTO_ORDER",
     "BackendUnavailable",
+    "Capabilities",
     "KernelCall",
     "KernelSpec",
+    "auto_order",
     "available_backends",
+    "backend_names",
     "choose_backend",
     "get_backend",
+    "register_backend",
     "unavailable_reason",
 ]
 
-_BACKENDS: dict[str, ModuleType] = {m.NAME: m for m in (flash, te, torch_varlen, flex, sdpa_doc, sdpa_mask)}
-assert set(_BACKENDS) == set(BACKENDS) - {"auto"}
+#: Every registered backend by name (the registry's one owner is :func:`register_backend`).
+_BACKENDS: dict[str, ModuleType] = {}
 
-#: Preference of ``"auto"`` per device type (flex and sdpa_mask are never picked automatically).
-AUTO_ORDER: dict[str, tuple[str, ...]] = {
-    "cuda": ("flash", "te", "torch_varlen", "sdpa_doc"),
-    "default": ("sdpa_doc",),
-}
-#: Tried after the preferred backends when none of them can run (e.g. softcap on CPU inference).
-_LAST_RESORT: tuple[str, ...] = ("flex", "sdpa_mask")
+
+def register_backend(module: ModuleType) -> None:
+    """Make ``module`` a backend: it has ``NAME``, ``CAPABILITIES`` and ``attention(q, k, v, call)``.
+
+    Register it before any context or config names it, on every rank alike (the ranks' agreement sends one
+    bit per registered backend, in registration order).
+    """
+    caps = getattr(module, "CAPABILITIES", None)
+    if not isinstance(caps, Capabilities) or caps.name != getattr(module, "NAME", None):
+        raise TypeError(f"a backend module needs NAME and CAPABILITIES = Capabilities(NAME, ...), got {module!r}")
+    if not callable(getattr(module, "attention", None)):
+        raise TypeError(f"backend {caps.name!r} has no attention(q, k, v, call) function")
+    _BACKENDS[caps.name] = module
+    add_backend_name(caps.name)
+    auto_order.cache_clear()
+
+
+def backend_names() -> tuple[str, ...]:
+    """The registered backends, in registration order (``"auto"`` excluded)."""
+    return tuple(_BACKENDS)
+
+
+@functools.lru_cache(maxsize=None)
+def auto_order(device_type: str) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """``(preferred, last_resort)`` backend names for ``backend="auto"`` on ``device_type``, from the
+    capabilities (flex and sdpa_mask are never preferred, only taken as a last resort)."""
+    caps = [m.CAPABILITIES for m in _BACKENDS.values()]
+    key = device_type if any(device_type in c.auto for c in caps) else "default"
+    preferred = sorted((c.auto[key], c.name) for c in caps if key in c.auto)
+    last = sorted((c.last_resort, c.name) for c in caps if c.last_resort is not None)
+    return tuple(n for _, n in preferred), tuple(n for _, n in last)
+
+
+for _module in (flash, te, torch_varlen, flex, sdpa_doc, sdpa_mask):
+    register_backend(_module)
+assert set(_BACKENDS) == set(BACKENDS) - {"auto"}, "config.BACKENDS names the built-in backends"
 
 
 def get_backend(name: str) -> ModuleType:
     try:
         return _BACKENDS[name]
     except KeyError:
-        raise ValueError(f"backend={name!r} is not one of {', '.join(BACKENDS)}") from None
+        raise ValueError(f"backend={name!r} is not one of auto, {', '.join(_BACKENDS)}") from None
 
 
 def unavailable_reason(name: str, spec: KernelSpec) -> str | None:
     """Why backend ``name`` cannot run ``spec`` (cheap: imports, device, dtype, features), or ``None``."""
-    return get_backend(name).unavailable_reason(spec)
+    return get_backend(name).CAPABILITIES.unavailable_reason(spec)
 
 
 def available_backends(spec: KernelSpec, disabled: tuple[str, ...] = ()) -> frozenset[str]:
@@ -58,7 +92,7 @@ def choose_backend(requested: str, spec: KernelSpec, available: frozenset[str] |
     """Pick the backend for ``spec``.
 
     Args:
-        requested: a name from :data:`~hf_blockdiag_cp.config.BACKENDS`.
+        requested: ``"auto"`` or a registered backend's name.
         spec: what the call needs.
         available: backends every participating rank can run (the result of the rank agreement);
             defaults to this process's :func:`available_backends`. The choice is a pure function of
@@ -75,8 +109,8 @@ def choose_backend(requested: str, spec: KernelSpec, available: frozenset[str] |
         ValueError: unknown ``requested``.
         BackendUnavailable: no backend can compute this call exactly.
     """
-    if requested not in BACKENDS:
-        raise ValueError(f"backend={requested!r} is not one of {', '.join(BACKENDS)}")
+    if requested != "auto" and requested not in _BACKENDS:
+        raise ValueError(f"backend={requested!r} is not one of auto, {', '.join(_BACKENDS)}")
     if available is None:
         available = available_backends(spec)
     note = None
@@ -85,10 +119,10 @@ def choose_backend(requested: str, spec: KernelSpec, available: frozenset[str] |
             return requested, None
         reason = unavailable_reason(requested, spec) or "not available on every rank"
         note = f"blockdiag_cp backend {requested!r} cannot run this call ({reason}); falling back"
-    preferred = AUTO_ORDER.get(spec.device_type, AUTO_ORDER["default"])
-    for name in preferred + _LAST_RESORT:
+    preferred, last_resort = auto_order(spec.device_type)
+    for name in preferred + last_resort:
         if name in available:
-            if note is None and name in _LAST_RESORT:
+            if note is None and name in last_resort:
                 _warn_last_resort(name, "; ".join(f"{n}: {_why_not(n, spec)}" for n in preferred))
             return name, (f"{note} to {name!r}" if note else None)
     reasons = "; ".join(f"{n}: {unavailable_reason(n, spec) or 'unavailable on another rank'}" for n in _BACKENDS)

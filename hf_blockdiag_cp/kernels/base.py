@@ -1,7 +1,7 @@
 """The one contract every attention backend implements.
 
-A backend module exposes ``NAME``, ``unavailable_reason(spec) -> str | None`` (cheap: imports,
-device, dtype, features; it never launches a kernel) and ``attention(q, k, v, call) -> out``:
+A backend module exposes ``NAME``, ``CAPABILITIES`` (a :class:`Capabilities`: what it can run, from which
+its availability for a spec is derived without launching a kernel) and ``attention(q, k, v, call) -> out``:
 
 - ``q``  ``[Tq, Hq, D]``: packed query rows of every segment, in plan order;
 - ``k``, ``v`` ``[Tk, Hkv, D]`` / ``[Tk, Hkv, Dv]``: packed key/value rows (``Hkv`` divides ``Hq``;
@@ -13,7 +13,7 @@ device, dtype, features; it never launches a kernel) and ``attention(q, k, v, ca
 - semantics: per segment, bottom-right causal attention (query ``i`` of a segment with ``q_len``
   queries and ``k_len`` keys sees keys ``j <= k_len - q_len + i``), optionally limited to a
   sliding window of ``window`` keys (``j > k_len - q_len + i - window``, transformers' convention);
-- optional features, each reported by ``unavailable_reason`` when a backend lacks it: ``Dv != D``
+- optional features, each declared in ``CAPABILITIES`` (a backend that lacks one is not chosen): ``Dv != D``
   (``KernelSpec.value_dim``), logit softcapping (``softcap * tanh(scale * q.k / softcap)`` before the
   mask and softmax, gemma2), attention sinks (``KernelCall.sinks [Hq]``: one learned logit per query
   head that joins every row's softmax denominator and carries no value, gpt-oss ``s_aux``);
@@ -23,23 +23,17 @@ device, dtype, features; it never launches a kernel) and ``attention(q, k, v, ca
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, NamedTuple
+from typing import Any, Callable, NamedTuple, TypeVar
 
 import torch
 
+from ..errors import BackendUnavailable
 from ..planning import VarlenPlan
+from ._imports import optional_import
 
-if TYPE_CHECKING:
-    from torch.nn.attention.flex_attention import BlockMask
+__all__ = ["BackendUnavailable", "Capabilities", "KernelCall", "KernelSpec", "PlanSchedules", "TokenCoordinates"]
 
-    from .flash import PrefixGuard
-    from .sdpa_doc import DocSchedule
-
-__all__ = ["BackendUnavailable", "KernelCall", "KernelSpec", "PlanSchedules", "TokenCoordinates"]
-
-
-class BackendUnavailable(NotImplementedError):
-    """The requested backend cannot compute this call exactly (raised instead of computing something else)."""
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -74,22 +68,24 @@ class PlanSchedules:
     """What backends derive from one device-resident plan, each built at most once per plan.
 
     Not data: the owner of the plan for a step keeps it next to the plan (the attention layers'
-    :class:`~hf_blockdiag_cp.attention.runtime.StepRuntime`, or a forward's mask for plans derived from
+    :class:`~hf_blockdiag_cp.runtime.StepRuntime`, or a forward's mask for plans derived from
     keyword arguments), so every layer and every activation-checkpoint recompute reuses it.
 
     Attributes:
         token_coordinates: per packed row, segment and position (dense-mask backends).
-        flash_guard: ``flash``'s long-prefix guard schedule.
-        sdpa_doc: ``sdpa_doc``'s schedule per sliding window (``None``: none).
-        flex_masks: ``flex``'s block mask per sliding window.
-        sdpa_mask: ``sdpa_mask``'s per-segment ``[q_len, k_len]`` masks per sliding window.
+        by_backend: what each backend derives, keyed by ``(backend NAME, key)`` (e.g. the sliding window);
+            this module knows no backend's schedule type (a backend is one module).
     """
 
     token_coordinates: TokenCoordinates | None = None
-    flash_guard: PrefixGuard | None = None
-    sdpa_doc: dict[int | None, DocSchedule] = field(default_factory=dict)
-    flex_masks: dict[int | None, BlockMask] = field(default_factory=dict)
-    sdpa_mask: dict[int | None, tuple[torch.Tensor, ...]] = field(default_factory=dict)
+    by_backend: dict[tuple[str, Any], Any] = field(default_factory=dict)
+
+    def get(self, backend: str, key: Any, build: Callable[[], T]) -> T:
+        """``backend``'s schedule for ``key``, built by ``build()`` the first time it is asked for."""
+        slot = (backend, key)
+        if slot not in self.by_backend:
+            self.by_backend[slot] = build()
+        return self.by_backend[slot]
 
 
 @dataclass(frozen=True, eq=False)
@@ -123,13 +119,81 @@ def reject_unsupported(call: KernelCall, backend: str, *, softcap: bool = False,
         raise BackendUnavailable(f"backend {backend!r} has no attention sinks")
 
 
-def cuda_half_reason(spec: KernelSpec, library: str) -> str | None:
-    """Why a CUDA-only, fp16/bf16-only kernel from ``library`` cannot run ``spec`` (``None`` if it can)."""
-    if spec.device_type != "cuda":
-        return f"{library} runs on CUDA only, not {spec.device_type}"
-    if spec.dtype not in (torch.float16, torch.bfloat16):
-        return f"{library} needs float16/bfloat16, got {spec.dtype}"
-    return None
+HALF_DTYPES: tuple[torch.dtype, ...] = (torch.float16, torch.bfloat16)
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    """What one backend can compute: the one place its availability is declared (see :mod:`hf_blockdiag_cp.kernels`).
+
+    :meth:`unavailable_reason` derives from it why a :class:`KernelSpec` cannot run (``None``: it can), so no
+    backend re-checks devices, dtypes or features by hand.
+
+    Attributes:
+        name: the backend's name (``BlockDiagCPConfig.backend``).
+        library: how messages name the kernel.
+        module: an optional library that must import (``None``: nothing optional); ``module_attr``: a name it
+            must have.
+        devices: device types it runs on (``None``: any).
+        dtypes: dtypes it runs (``None``: any floating dtype).
+        max_head_dim: the largest head dim (``None``: no limit).
+        value_dim: whether it runs ``Dv != D``; dropout, softcap, sinks: whether it applies them;
+            dropout_with_extras: whether dropout combines with softcap or sinks.
+        cpu_backward: whether it has a backward on CPU (``False``: inference only there).
+        auto: its preference rank for ``backend="auto"`` per device type (``"default"``: any other device);
+            absent: never picked automatically unless as a last resort.
+        last_resort: its rank among the backends ``"auto"`` takes when no preferred one can run (``None``: never).
+    """
+
+    name: str
+    library: str
+    module: str | None = None
+    module_attr: str | None = None
+    devices: tuple[str, ...] | None = None
+    dtypes: tuple[torch.dtype, ...] | None = None
+    max_head_dim: int | None = None
+    value_dim: bool = True
+    dropout: bool = True
+    softcap: bool = True
+    sinks: bool = True
+    dropout_with_extras: bool = True
+    cpu_backward: bool = True
+    auto: dict[str, int] = field(default_factory=dict)
+    last_resort: int | None = None
+
+    def unavailable_reason(self, spec: KernelSpec) -> str | None:
+        """Why this backend cannot run ``spec`` (cheap: an import, then host facts), or ``None``."""
+        lib = self.library
+        if self.module is not None:
+            module, reason = optional_import(self.module)
+            if module is None:
+                return reason
+            if self.module_attr is not None and not hasattr(module, self.module_attr):
+                return f"{self.module}.{self.module_attr} is missing in this install"
+        if self.devices is not None and spec.device_type not in self.devices:
+            if self.devices == ("cuda",):
+                return f"{lib} runs on CUDA only, not {spec.device_type}"
+            return f"{lib} is not supported on {spec.device_type}"
+        if self.dtypes is None and not spec.dtype.is_floating_point:
+            return f"{lib} needs a floating dtype, got {spec.dtype}"
+        if self.dtypes is not None and spec.dtype not in self.dtypes:
+            wanted = "/".join(str(d).removeprefix("torch.") for d in self.dtypes)
+            return f"{lib} needs {wanted}, got {spec.dtype}"
+        if not self.cpu_backward and spec.device_type == "cpu" and spec.requires_grad:
+            return f"{lib} has no CPU backward in this torch"
+        if not self.dropout and spec.dropout_p > 0:
+            return f"{lib} has no dropout"
+        if not self.softcap and spec.softcap is not None:
+            return f"{lib} has no logit softcapping"
+        too_large = self.max_head_dim is not None and spec.head_dim > self.max_head_dim
+        if too_large or (not self.value_dim and spec.head_dim != spec.value_dim):
+            limit = "" if self.max_head_dim is None else f" <= {self.max_head_dim}"
+            return f"{lib} needs head_dim == value_dim{limit}, got {spec.head_dim}/{spec.value_dim}"
+        if not self.sinks and spec.sinks:
+            return f"{lib} has no attention sinks"
+        if not self.dropout_with_extras and spec.dropout_p > 0 and (spec.softcap is not None or spec.sinks):
+            return f"{lib} applies no dropout together with logit softcapping or attention sinks"
+        return None
 
 
 def token_coordinates(call: KernelCall) -> TokenCoordinates:

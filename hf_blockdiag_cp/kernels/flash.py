@@ -14,24 +14,14 @@ from dataclasses import dataclass
 import torch
 
 from ._imports import optional_import
-from .base import KernelCall, KernelSpec, cuda_half_reason, reject_unsupported
+from .base import HALF_DTYPES, Capabilities, KernelCall, reject_unsupported
 
 NAME = "flash"
 MODULE = "flash_attn"
 
 
-def unavailable_reason(spec: KernelSpec) -> str | None:
-    module, reason = optional_import(MODULE)
-    if module is None:
-        return reason
-    reason = cuda_half_reason(spec, "flash-attn")
-    if reason:
-        return reason
-    if spec.head_dim > 256 or spec.head_dim != spec.value_dim:
-        return f"flash-attn needs head_dim == value_dim <= 256, got {spec.head_dim}/{spec.value_dim}"
-    if spec.sinks:
-        return "flash-attn 2 has no attention sinks"
-    return None
+CAPABILITIES = Capabilities(NAME, "flash-attn", module=MODULE, devices=("cuda",), dtypes=HALF_DTYPES,
+                            max_head_dim=256, value_dim=False, sinks=False, auto={"cuda": 0})
 
 
 @dataclass(frozen=True, eq=False)
@@ -99,9 +89,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, call: KernelCal
     if not call.flash_prefix_guard or not plan.prefix_segments:
         return fa.flash_attn_varlen_func(q, k, v, plan.cu_seqlens_q, plan.cu_seqlens_k, plan.max_seqlen_q,
                                          plan.max_seqlen_k, **common)
-    guard = call.schedules.flash_guard
-    if guard is None:
-        guard = call.schedules.flash_guard = _build_guard(call)
+    guard = call.schedules.get(NAME, "prefix_guard", lambda: _build_guard(call))
     cq, ck = plan.host_cu_q, plan.host_cu_k
     outs = []
     for i in guard.prefix:

@@ -13,27 +13,14 @@ import functools
 import torch
 
 from ._imports import optional_import
-from .base import KernelCall, KernelSpec, reject_unsupported, token_coordinates, visible
+from .base import Capabilities, KernelCall, reject_unsupported, token_coordinates, visible
 
 NAME = "flex"
 MODULE = "torch.nn.attention.flex_attention"
 
 
-def unavailable_reason(spec: KernelSpec) -> str | None:
-    module, reason = optional_import(MODULE)
-    if module is None:
-        return reason
-    if spec.device_type not in ("cuda", "cpu"):
-        return f"flex_attention is not supported on {spec.device_type}"
-    if spec.device_type == "cpu" and spec.requires_grad:
-        return "flex_attention has no CPU backward in this torch"
-    if spec.dropout_p > 0:
-        return "flex_attention has no dropout"
-    if not spec.dtype.is_floating_point:
-        return f"flex_attention needs a floating dtype, got {spec.dtype}"
-    if spec.sinks:
-        return "the flex backend applies no attention sinks"
-    return None
+CAPABILITIES = Capabilities(NAME, "flex_attention", module=MODULE, devices=("cuda", "cpu"), cpu_backward=False,
+                            dropout=False, sinks=False, last_resort=0)
 
 
 @functools.lru_cache(maxsize=2)
@@ -44,10 +31,7 @@ def _flex_fn(device_type: str):
 
 
 def _block_mask(call: KernelCall):
-    masks = call.schedules.flex_masks
-    if call.window not in masks:
-        masks[call.window] = _build_block_mask(call)
-    return masks[call.window]
+    return call.schedules.get(NAME, call.window, lambda: _build_block_mask(call))
 
 
 def _build_block_mask(call: KernelCall):

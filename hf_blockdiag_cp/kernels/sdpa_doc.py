@@ -46,7 +46,7 @@ from torch.nn.utils.rnn import pad_sequence
 from ..compat import CPU_FLASH_ATTENTION, CPU_FLASH_ATTENTION_BACKWARD
 from ..planning import VarlenPlan
 from ._chunked import chunk_spans, segment_attention
-from .base import BackendUnavailable, KernelCall, KernelSpec
+from .base import BackendUnavailable, Capabilities, KernelCall
 
 NAME = "sdpa_doc"
 
@@ -66,12 +66,7 @@ _cpu_flash = CPU_FLASH_ATTENTION
 _cpu_flash_bwd = CPU_FLASH_ATTENTION_BACKWARD
 
 
-def unavailable_reason(spec: KernelSpec) -> str | None:
-    if not spec.dtype.is_floating_point:
-        return f"sdpa_doc needs a floating dtype, got {spec.dtype}"
-    if spec.dropout_p > 0 and (spec.softcap is not None or spec.sinks):
-        return "sdpa_doc applies no dropout together with logit softcapping or attention sinks"
-    return None
+CAPABILITIES = Capabilities(NAME, "sdpa_doc", dropout_with_extras=False, auto={"cuda": 3, "default": 0})
 
 
 @dataclass(frozen=True, eq=False)
@@ -145,10 +140,7 @@ def _build_schedule(plan: VarlenPlan, window: int | None) -> DocSchedule:
 
 def schedule(call: KernelCall) -> DocSchedule:
     """The schedule of ``call.plan`` for ``call.window`` (built once, kept in ``call.schedules``)."""
-    schedules = call.schedules.sdpa_doc
-    if call.window not in schedules:
-        schedules[call.window] = _build_schedule(call.plan, call.window)
-    return schedules[call.window]
+    return call.schedules.get(NAME, call.window, lambda: _build_schedule(call.plan, call.window))
 
 
 def _heads_first(x: torch.Tensor) -> torch.Tensor:

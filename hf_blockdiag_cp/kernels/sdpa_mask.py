@@ -18,19 +18,13 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .base import KernelCall, KernelSpec, reject_unsupported, token_coordinates, visible
+from .base import Capabilities, KernelCall, reject_unsupported, token_coordinates, visible
 
 NAME = "sdpa_mask"
 
 
-def unavailable_reason(spec: KernelSpec) -> str | None:
-    if not spec.dtype.is_floating_point:
-        return f"sdpa_mask needs a floating dtype, got {spec.dtype}"
-    if spec.softcap is not None:
-        return "sdpa_mask (scaled_dot_product_attention) has no logit softcapping"
-    if spec.sinks:
-        return "sdpa_mask (scaled_dot_product_attention) has no attention sinks"
-    return None
+CAPABILITIES = Capabilities(NAME, "sdpa_mask (scaled_dot_product_attention)", softcap=False, sinks=False,
+                            last_resort=1)
 
 
 def _build_masks(call: KernelCall) -> tuple[torch.Tensor, ...]:
@@ -45,10 +39,7 @@ def _build_masks(call: KernelCall) -> tuple[torch.Tensor, ...]:
 
 def segment_masks(call: KernelCall) -> tuple[torch.Tensor, ...]:
     """The plan's per-segment masks for ``call.window`` (built once, kept in ``call.schedules``)."""
-    masks = call.schedules.sdpa_mask
-    if call.window not in masks:
-        masks[call.window] = _build_masks(call)
-    return masks[call.window]
+    return call.schedules.get(NAME, call.window, lambda: _build_masks(call))
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, call: KernelCall) -> torch.Tensor:

@@ -12,30 +12,17 @@ import functools
 import torch
 
 from ._imports import optional_import
-from .base import KernelCall, KernelSpec, cuda_half_reason, reject_unsupported
+from .base import HALF_DTYPES, Capabilities, KernelCall, reject_unsupported
 
 NAME = "te"
 MODULE = "transformer_engine.pytorch"
 
 
-def unavailable_reason(spec: KernelSpec) -> str | None:
-    module, reason = optional_import(MODULE)
-    if module is None:
-        return reason
-    reason = cuda_half_reason(spec, "TransformerEngine fused attention")
-    if reason:
-        return reason
-    if spec.dropout_p > 0:
-        return "the te backend does not apply attention dropout"
-    if spec.softcap is not None:
-        return "the te backend has no logit softcapping"
-    if spec.head_dim != spec.value_dim:
-        # TE takes kv_channels=(D, Dv), but only some of its fused backends (cuDNN, by GPU and version)
-        # run it; which one TE picks is not knowable without launching, so this adapter does not offer it.
-        return f"the te backend needs head_dim == value_dim, got {spec.head_dim}/{spec.value_dim}"
-    if spec.sinks:
-        return "the te backend has no attention sinks"
-    return None
+# TE takes kv_channels=(D, Dv), but only some of its fused backends (cuDNN, by GPU and version) run it; which
+# one TE picks is not knowable without launching, so this adapter does not offer Dv != D.
+CAPABILITIES = Capabilities(NAME, "the te backend (TransformerEngine fused attention)", module=MODULE,
+                            devices=("cuda",), dtypes=HALF_DTYPES, value_dim=False, dropout=False,
+                            softcap=False, sinks=False, auto={"cuda": 1})
 
 
 @functools.lru_cache(maxsize=32)

@@ -9,28 +9,15 @@ from __future__ import annotations
 import torch
 
 from ._imports import optional_import
-from .base import KernelCall, KernelSpec, cuda_half_reason, reject_unsupported
+from .base import HALF_DTYPES, Capabilities, KernelCall, reject_unsupported
 
 NAME = "torch_varlen"
 MODULE = "torch.nn.attention.varlen"
 
 
-def unavailable_reason(spec: KernelSpec) -> str | None:
-    module, reason = optional_import(MODULE)
-    if module is None or not hasattr(module, "varlen_attn"):
-        return reason or "torch.nn.attention.varlen.varlen_attn is missing in this torch"
-    reason = cuda_half_reason(spec, "varlen_attn (in this torch)")
-    if reason:
-        return reason
-    if spec.dropout_p > 0:
-        return "varlen_attn has no dropout"
-    if spec.softcap is not None:
-        return "varlen_attn has no logit softcapping"
-    if spec.head_dim != spec.value_dim:
-        return f"varlen_attn (flash kernel) needs head_dim == value_dim, got {spec.head_dim}/{spec.value_dim}"
-    if spec.sinks:
-        return "varlen_attn has no attention sinks"
-    return None
+CAPABILITIES = Capabilities(NAME, "varlen_attn (torch_varlen)", module=MODULE, module_attr="varlen_attn",
+                            devices=("cuda",), dtypes=HALF_DTYPES, value_dim=False, dropout=False,
+                            softcap=False, sinks=False, auto={"cuda": 2})
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, call: KernelCall) -> torch.Tensor:

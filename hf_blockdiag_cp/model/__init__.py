@@ -2,13 +2,12 @@
 
 :func:`prepare_model` owns the probe and the one ordered pair of forward hooks (:mod:`.prepare`);
 :mod:`.detect` finds what a model cannot do with packed rows; :mod:`.batch` reads (and fills) a batch's
-arguments; :mod:`.transformers_patches` holds every patch of transformers the package makes.
+arguments. The patches of transformers that call :func:`prepare_model` live in :mod:`hf_blockdiag_cp.integration`.
 """
 
 from .batch import check_batch, check_cp_batch, context_position_ids
 from .detect import UnsupportedModel, packing_refusal, refuse_bypassing_model, require_blockdiag_cp, uses_blockdiag_cp
 from .prepare import ForwardProbe, mark_attention_call, package_hooks, prepare_model, unprepare_model
-from .transformers_patches import patch_transformers
 
 __all__ = [
     "ForwardProbe",
@@ -19,7 +18,6 @@ __all__ = [
     "mark_attention_call",
     "package_hooks",
     "packing_refusal",
-    "patch_transformers",
     "prepare_model",
     "refuse_bypassing_model",
     "require_blockdiag_cp",

@@ -17,7 +17,8 @@ from ..distributed.groups import created_cp_size
 from ..planning.documents import run_boundaries
 from .detect import require_blockdiag_cp
 
-__all__ = ["arguments", "check_batch", "check_cp_batch", "context_position_ids", "fill_position_ids", "packing", "positional_index"]
+__all__ = ["arguments", "check_batch", "check_cp_batch", "context_position_ids", "fill_position_ids", "packing",
+           "positional_index"]
 
 
 def check_batch(model: torch.nn.Module, kwargs: dict[str, Any]) -> None:

@@ -28,10 +28,12 @@ import sys
 import torch
 from transformers import PreTrainedModel
 
+from ..compat import can_set_attn_implementation
 from ..config import ATTN_IMPLEMENTATION
+from ..errors import UnsupportedModel
 
-__all__ = ["UnsupportedModel", "has_absolute_positions", "loss_refusal", "model_type", "packing_refusal", "padding_refusal", "refuse_bypassing_model",
-           "require_blockdiag_cp", "uses_blockdiag_cp"]
+__all__ = ["UnsupportedModel", "has_absolute_positions", "loss_refusal", "model_type", "packing_refusal",
+           "padding_refusal", "refuse_bypassing_model", "require_blockdiag_cp", "uses_blockdiag_cp"]
 
 #: Class-name patterns of token mixers other than attention (checked against every submodule).
 _MIXER_PATTERN = re.compile(
@@ -40,11 +42,6 @@ _MIXER_PATTERN = re.compile(
 
 #: Module paths of other modalities' encoders (their convolutions run over audio/image features).
 _NON_TEXT_PATTERN = re.compile(r"(^|[._])(audio|vision|visual|image|speech|video)", re.IGNORECASE)
-
-
-class UnsupportedModel(NotImplementedError):
-    """The model cannot be computed exactly by blockdiag_cp for this batch (raised instead of computing
-    something else)."""
 
 
 def model_type(model: torch.nn.Module) -> str:
@@ -209,9 +206,9 @@ def refuse_bypassing_model(model: torch.nn.Module) -> None:
         composite = config is not None and config.get_text_config() is not config
     except (ValueError, AttributeError):
         composite = True
-    can_set = getattr(type(model), "_can_set_attn_implementation", None)
+    can_set = can_set_attn_implementation(type(model))
     by_name = _picks_attention_class_by_name(type(model))
-    if not by_name and (composite or can_set is None or can_set()):
+    if not by_name and (composite or can_set is None or can_set):
         return
     raise UnsupportedModel(
         f"{model_type(model)} ({type(model).__name__}) does not route attention through transformers' "

@@ -1,6 +1,6 @@
 """The one owner of what this package installs on a model: a probe and one ordered pair of forward hooks.
 
-:func:`prepare_model` is called by the transformers integration (:mod:`.transformers_patches`: every
+:func:`prepare_model` is called by the transformers integration (:mod:`hf_blockdiag_cp.integration`: every
 model loaded with, or switched to, ``attn_implementation="blockdiag_cp"``), by
 :func:`~hf_blockdiag_cp.guard_model` (which turns on the strict checks) and by ``CPTrainer`` /
 ``CPSFTTrainer``. Whatever calls it, in whatever order, a prepared model carries exactly:
@@ -57,8 +57,8 @@ from .detect import (
 )
 from .forward_agreement import agree_forward
 
-__all__ = ["PROBE_ATTR", "ForwardProbe", "Preparation", "check_context_reached", "mark_attention_call", "package_hooks", "prepare_model",
-           "unprepare_model"]
+__all__ = ["PROBE_ATTR", "ForwardProbe", "Preparation", "check_context_reached", "mark_attention_call",
+           "package_hooks", "prepare_model", "unprepare_model"]
 
 PROBE_ATTR = "_blockdiag_cp_probe"
 #: Attribute of a prepared model holding its :class:`Preparation`.
@@ -247,7 +247,8 @@ def _refuse_padding(probe: ForwardProbe, named: dict[str, Any]) -> None:
     if not isinstance(ids, torch.Tensor) or packing(named) is None and named.get("cp_context") is None:
         return
     if bool((ids == token).any()):
-        raise UnsupportedModel(f"blockdiag_cp cannot compute this batch (row padding with token {token}) exactly: {why}")
+        raise UnsupportedModel(f"blockdiag_cp cannot compute this batch (row padding with token {token}) exactly: "
+                               f"{why}")
 
 
 def _refuse_loss(probe: ForwardProbe, named: dict[str, Any]) -> None:

@@ -29,7 +29,6 @@ from dataclasses import dataclass
 from functools import cached_property
 
 import numpy as np
-
 import torch
 
 from ..config import BlockDiagCPConfig

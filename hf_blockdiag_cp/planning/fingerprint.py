@@ -10,7 +10,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..config import BACKENDS, KV_EXCHANGES, PLACEMENTS, BlockDiagCPConfig
+from ..config import KV_EXCHANGES, PLACEMENTS, BlockDiagCPConfig, backend_choices
 
 __all__ = ["PLAN_FIELDS", "PlanFingerprint", "checksum_weights", "describe_plan_field", "fingerprint",
            "plan_fingerprint", "shard_checksum", "shard_checksums"]
@@ -77,7 +77,7 @@ def plan_fingerprint(config: BlockDiagCPConfig, *, cp_size: int, placement_kind:
             placement_kind.encode()),
         "balance_tolerance": tolerance,
         "kv_exchange": KV_EXCHANGES.index(config.kv_exchange),
-        "backend": BACKENDS.index(config.backend),
+        "backend": backend_choices().index(config.backend),
         "sliding_windows": fingerprint(repr(tuple(windows)).encode()),
         "placement_rows": _placement_hash(placement_rows),
         "exchange_strategies": fingerprint(repr(tuple(strategies)).encode()),
@@ -100,7 +100,7 @@ def describe_plan_field(name: str, value: int) -> str:
     """``value`` of plan field ``name`` as a user would write it (hashes are quoted as such)."""
     if name in ("cp_size", "ulysses_size"):
         return str(value)
-    choices = {"placement": PLACEMENTS, "kv_exchange": KV_EXCHANGES, "backend": BACKENDS}.get(name)
+    choices = {"placement": PLACEMENTS, "kv_exchange": KV_EXCHANGES, "backend": backend_choices()}.get(name)
     if choices is not None:
         return repr(choices[value]) if 0 <= value < len(choices) else f"another (hash {value:#x})"
     if name == "balance_tolerance":

@@ -53,7 +53,6 @@ import dataclasses
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
@@ -63,8 +62,8 @@ from .exchange import ExchangePlan, plan_exchange
 from .placement import Placement, make_placement, rank_work
 from .varlen import PlanError
 
-__all__ = ["CostModel", "HeadShape", "HeadSplit", "LayoutCost", "LayoutPlan", "a2a_elements", "config_values",
-           "layout_costs", "plan_layout", "valid_ulysses_sizes"]
+__all__ = ["CostModel", "HeadShape", "HeadSplit", "LayoutCost", "LayoutPlan", "a2a_elements", "layout_costs",
+           "plan_layout", "valid_ulysses_sizes"]
 
 #: Backward attention FLOPs over forward ones (five matrix products against two).
 BACKWARD_FACTOR = 2.5
@@ -74,19 +73,6 @@ def _positive(name: str, value: object) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ValueError(f"{name}={value!r} must be a positive int")
     return value
-
-
-def config_values(config: object, name: str) -> tuple[Any, ...]:
-    """Attribute ``name`` of a model config: ``(value,)`` (``None`` when absent), or one value per layer when the
-    config sets it per layer (transformers' heterogeneous configs, e.g. gemma4's ``head_dim``, refuse a global
-    read of such an attribute with ``AmbiguousGlobalPerLayerAttributeError``)."""
-    try:
-        return (getattr(config, name, None),)
-    except RuntimeError as err:
-        layers = getattr(config, "per_layer_config", None)
-        if type(err).__name__ != "AmbiguousGlobalPerLayerAttributeError" or layers is None:
-            raise
-        return tuple(getattr(layer, name, None) for layer in layers)
 
 
 @dataclass(frozen=True)
@@ -110,32 +96,6 @@ class HeadShape:
     @property
     def v_dim(self) -> int:
         return self.head_dim if self.value_dim is None else self.value_dim
-
-    @classmethod
-    def from_model_config(cls, config: object) -> HeadShape:
-        """The attention heads of a transformers model config (or a model: its ``.config``; multimodal
-        configs: their text config). MLA configs (``qk_nope_head_dim + qk_rope_head_dim``, ``v_head_dim``)
-        give ``D != Dv``. ``ValueError`` when the config does not name its heads."""
-        config = getattr(config, "config", config)
-        text = getattr(config, "get_text_config", None)
-        config = text() if callable(text) else config
-        def one(name: str) -> Any:
-            values = set(config_values(config, name))
-            if len(values) > 1:
-                raise NotImplementedError(
-                    f"{type(config).__name__} sets {name} per layer ({sorted(values, key=str)}): a head-parallel "
-                    "layout plans one head shape for every layer; use ulysses_size=1 for this model")
-            return values.pop()
-
-        hq = one("num_attention_heads")
-        if not isinstance(hq, int):
-            raise ValueError(f"{type(config).__name__} has no int num_attention_heads; pass heads=HeadShape(...)")
-        hkv = one("num_key_value_heads") or hq
-        if one("qk_rope_head_dim") and one("v_head_dim"):
-            return cls(hq, hkv, one("qk_nope_head_dim") + one("qk_rope_head_dim"), one("v_head_dim"))
-        head_dim = one("head_dim") or (one("hidden_size") or 0) // hq
-        return cls(hq, hkv, head_dim)
-
 
 @dataclass(frozen=True)
 class HeadSplit:

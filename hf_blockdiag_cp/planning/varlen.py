@@ -27,13 +27,10 @@ from dataclasses import dataclass
 
 import torch
 
+from ..errors import PlanError
 from .documents import as_doc_ids, document_spans
 
 __all__ = ["PlanError", "QueryPiece", "Segment", "VarlenPlan", "build_varlen_plan", "plan_from_segments"]
-
-
-class PlanError(ValueError):
-    """A plan (or the metadata it was built from) is inconsistent; raised on the host, before any kernel."""
 
 
 @dataclass(frozen=True)
@@ -266,7 +263,8 @@ def build_varlen_plan(doc_ids: torch.Tensor | Sequence[int], *, local_len: int |
         """Buffer row of global position ``lo``; ``[lo, hi)`` must lie inside one held range."""
         i = bisect.bisect_right(range_starts, lo) - 1
         if i < 0 or hi > ranges[i][1]:
-            raise PlanError(f"the K/V buffer (kv_ranges={ranges}) does not hold the keys [{lo}, {hi}) a local query needs")
+            raise PlanError(f"the K/V buffer (kv_ranges={ranges}) does not hold the keys [{lo}, {hi}) a local "
+                            f"query needs")
         return range_offsets[i] + lo - range_starts[i]
 
     spans_cache: dict[int, tuple[list[tuple[int, int]], list[int]]] = {}
@@ -310,13 +308,15 @@ def _validate(plan: VarlenPlan) -> None:
         if s.q_len < 1:
             raise PlanError(f"segments[{i}].q_len={s.q_len} must be >= 1")
         if s.k_len < s.q_len:
-            raise PlanError(f"segments[{i}].k_len={s.k_len} < q_len={s.q_len}: bottom-right causal needs k_len >= q_len")
+            raise PlanError(f"segments[{i}].k_len={s.k_len} < q_len={s.q_len}: bottom-right causal needs k_len >= "
+                            f"q_len")
         if s.q_start < prev_end:
             raise PlanError(f"segments[{i}].q_start={s.q_start} overlaps the previous segment (ends at {prev_end})")
         if s.q_start + s.q_len > total_q_rows:
             raise PlanError(f"segments[{i}] query rows end at {s.q_start + s.q_len} > B*L={total_q_rows}")
         if s.k_start < 0 or s.k_start + s.k_len > total_k_rows:
-            raise PlanError(f"segments[{i}] key rows [{s.k_start}, {s.k_start + s.k_len}) outside [0, B*S_kv={total_k_rows})")
+            raise PlanError(f"segments[{i}] key rows [{s.k_start}, {s.k_start + s.k_len}) outside [0, "
+                            f"B*S_kv={total_k_rows})")
         if s.q_start // plan.q_rows != (s.q_start + s.q_len - 1) // plan.q_rows:
             raise PlanError(f"segments[{i}] query rows cross a batch row boundary")
         if s.k_start // plan.kv_rows != (s.k_start + s.k_len - 1) // plan.kv_rows:

@@ -10,8 +10,8 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
+from .checks import check_collator, guard_model
 from .chunked_loss import check_chunked_loss, chunked_causal_lm_loss
-from .checks import check_batch, check_collator, guard_model
 from .consistency import ParameterMismatchError, check_parameters_consistent
 from .data import DataParallelShard, dp_dataloader
 from .loss import global_num_items, normalize_num_items, reduce_loss_for_logging
@@ -30,7 +30,6 @@ __all__ = [
     "CPTrainer",
     "DataParallelShard",
     "ParameterMismatchError",
-    "check_batch",
     "check_chunked_loss",
     "check_collator",
     "check_parameters_consistent",

@@ -11,11 +11,10 @@ import torch
 from torch.distributed.device_mesh import DeviceMesh
 
 from ..data.sharding import resolve_cp
-from ..model import check_batch, check_cp_batch, context_position_ids, prepare_model
+from ..model import prepare_model
 from .mesh import cp_coordinates
 
-__all__ = ["accelerate_cp_setting", "check_batch", "check_collator", "check_cp_batch", "check_no_accelerate_cp",
-           "collator_topology", "context_position_ids", "guard_model"]
+__all__ = ["accelerate_cp_setting", "check_collator", "check_no_accelerate_cp", "collator_topology", "guard_model"]
 
 #: accelerate's own sequence-sharding settings: (ParallelismConfig field, launcher flag / config key, env var).
 _ACCELERATE_SHARDING = (("cp_size", "parallelism_config_cp_size", "PARALLELISM_CONFIG_CP_SIZE"),

@@ -24,6 +24,7 @@ import torch.distributed as dist
 
 from ..distributed.exchange import all_gather_single, check_usable, wait
 from ..distributed.groups import group_timeout
+from ..errors import ParameterMismatchError
 
 __all__ = ["ParameterMismatchError", "check_parameters_consistent", "parameter_fingerprints"]
 
@@ -34,10 +35,6 @@ _CAUSES = ("likely causes: data parallelism (DDP / FSDP) wrapped over mesh['dp']
            "the CP ranks' gradients are never averaged; an optimizer.step (or a loss-scaler step) skipped on one rank; "
            "different seeds when the model was initialised (seed every rank the same, e.g. transformers.set_seed, "
            "before building the model)")
-
-
-class ParameterMismatchError(RuntimeError):
-    """The ranks of a CP group hold different parameters (raised on every rank alike)."""
 
 
 def _weights(numel: int, device: torch.device) -> torch.Tensor:

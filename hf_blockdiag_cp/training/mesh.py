@@ -112,7 +112,8 @@ def cp_coordinates(mesh: DeviceMesh | None) -> CPCoordinates:
     if mesh is None:
         return CPCoordinates(dp_rank=0, dp_size=1, cp_rank=0, cp_size=1)
     if mesh.mesh_dim_names != ("dp", "cp"):
-        raise ValueError(f"expected a ('dp', 'cp') mesh from hf_blockdiag_cp.init_device_mesh, got {mesh.mesh_dim_names}")
+        raise ValueError(f"expected a ('dp', 'cp') mesh from hf_blockdiag_cp.init_device_mesh, got "
+                         f"{mesh.mesh_dim_names}")
     return CPCoordinates(dp_rank=mesh.get_local_rank("dp"), dp_size=mesh.size(0),
                          cp_rank=mesh.get_local_rank("cp"), cp_size=mesh.size(1))
 

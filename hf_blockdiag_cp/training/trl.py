@@ -105,7 +105,8 @@ class CPSFTTrainer(CPTrainer, SFTTrainer):
     """
 
     #: TRL's own loss already projects in chunks (its fused LM head, which also feeds its entropy / accuracy
-    #: metrics): ``chunked_loss=None`` keeps it; ``chunked_loss=True`` uses :func:`~hf_blockdiag_cp.chunked_causal_lm_loss`.
+    #: metrics): ``chunked_loss=None`` keeps it; ``chunked_loss=True`` uses
+    #: :func:`~hf_blockdiag_cp.chunked_causal_lm_loss`.
     _chunked_loss_by_default = False
 
     def __init__(self, model: Any, args: SFTConfig | None = None, data_collator: Any = None,

@@ -87,7 +87,7 @@ def test_env_backend_is_used_by_the_attention_path(monkeypatch, entry):
     """The env default reaches the kernel choice when the caller names no backend."""
     import hf_blockdiag_cp.kernels.sdpa_doc as sdpa_doc
     import hf_blockdiag_cp.kernels.sdpa_mask as sdpa_mask
-    from hf_blockdiag_cp.attention.hf import blockdiag_cp_attention
+    from hf_blockdiag_cp.integration import blockdiag_cp_attention
 
     calls = []
     for module in (sdpa_mask, sdpa_doc):
@@ -131,7 +131,7 @@ def test_context_rejects_bad_sharding():
 
 
 def test_unsupported_features_raise_instead_of_computing_something_else():
-    from hf_blockdiag_cp.attention.hf import blockdiag_cp_attention
+    from hf_blockdiag_cp.integration import blockdiag_cp_attention
     from hf_blockdiag_cp.kernels import BackendUnavailable
 
     q, k, v = _qkv()

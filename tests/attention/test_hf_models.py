@@ -9,6 +9,7 @@ import torch
 
 import hf_blockdiag_cp
 from hf_blockdiag_cp import BlockDiagCPContext
+from hf_blockdiag_cp.attention.mask import BlockDiagMask
 from tests.reference import tiny_model
 
 LENGTHS = [7, 1, 12, 4, 9]  # 12 and 9 exceed the Qwen2 (5) and Mistral (6) sliding windows
@@ -123,7 +124,7 @@ def test_register_is_idempotent_and_registers_both_interfaces():
     mask_fn = AttentionMaskInterface._global_mapping["blockdiag_cp"]
     info = mask_fn(batch_size=2, q_length=4096, kv_length=4096, attention_mask=torch.ones(2, 4096, dtype=torch.bool))
     # No dense [B, 1, L, S] mask: only the 2-D padding view travels to the layers.
-    assert isinstance(info, hf_blockdiag_cp.BlockDiagMask) and info.padding_mask.shape == (2, 4096)
+    assert isinstance(info, BlockDiagMask) and info.padding_mask.shape == (2, 4096)
 
 
 def test_gradient_checkpointing_and_dropout_run():

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from hf_blockdiag_cp import BlockDiagCPContext
-from hf_blockdiag_cp.attention.hf import blockdiag_cp_attention
+from hf_blockdiag_cp.integration import blockdiag_cp_attention
 from tests.reference import tiny_model
 from tests.spies import registered_attention
 from tests.sync_counter import SyncCounter

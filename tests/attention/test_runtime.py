@@ -1,5 +1,5 @@
 """The context and its plans stay frozen data; what layers fill in during a step lives in one
-StepRuntime (attention/runtime.py), created once per step and shared by the context's device copies."""
+StepRuntime (hf_blockdiag_cp/runtime.py), created once per step and shared by the context's device copies."""
 
 from __future__ import annotations
 
@@ -11,10 +11,10 @@ import weakref
 import pytest
 import torch
 
-from hf_blockdiag_cp import BlockDiagCPContext, VarlenPlan
-from hf_blockdiag_cp.attention import runtime
-from hf_blockdiag_cp.attention.cp import comm_stats, step_backends
-from hf_blockdiag_cp.attention.runtime import PlanKey, device_plan, step_runtime
+from hf_blockdiag_cp import BlockDiagCPContext, runtime
+from hf_blockdiag_cp.attention.layer import comm_stats, step_backends
+from hf_blockdiag_cp.planning import VarlenPlan
+from hf_blockdiag_cp.runtime import PlanKey, device_plan, step_runtime
 from tests.reference import tiny_model
 
 LENGTHS = [7, 1, 12, 4]
@@ -41,7 +41,7 @@ def test_context_and_plans_pickle_to_the_same_bytes_after_a_forward():
     before_ctx, before_plan = pickle.dumps(ctx), pickle.dumps(ctx.plan)
     _forward(ctx)
     filled = step_runtime(ctx)
-    assert filled.plans and filled.plans[PlanKey(torch.device("cpu"), None)].schedules.sdpa_doc  # the layers ran
+    assert filled.plans and filled.plans[PlanKey(torch.device("cpu"), None)].schedules.by_backend  # the layers ran
     assert pickle.dumps(ctx) == before_ctx and pickle.dumps(ctx.plan) == before_plan
     copy = pickle.loads(before_ctx)
     assert copy.origin is None and step_runtime(copy) is not filled and not step_runtime(copy).plans

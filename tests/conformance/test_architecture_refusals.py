@@ -56,7 +56,9 @@ def _deepseek_v4() -> torch.nn.Module:
         num_key_value_heads=1, head_dim=16, q_lora_rank=32, n_routed_experts=4, num_experts_per_tok=2,
         n_shared_experts=1, sliding_window=6, o_groups=8, o_lora_rank=32, index_n_heads=4, index_head_dim=16,
         qk_rope_head_dim=8, max_position_embeddings=256,
-        layer_types=["heavily_compressed_attention", "compressed_sparse_attention"], mlp_layer_types=["hash_moe", "moe"], pad_token_id=0, bos_token_id=1, eos_token_id=2)
+        layer_types=["heavily_compressed_attention", "compressed_sparse_attention"],
+        mlp_layer_types=["hash_moe", "moe"],
+        pad_token_id=0, bos_token_id=1, eos_token_id=2)
     return _build(config, transformers.DeepseekV4ForCausalLM)
 
 

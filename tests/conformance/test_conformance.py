@@ -6,7 +6,6 @@ sweep over every causal LM of transformers and the CP = 2 sample are marked slow
 from __future__ import annotations
 
 import functools
-
 import json
 import os
 import subprocess
@@ -18,7 +17,6 @@ import torch
 
 from hf_blockdiag_cp import conformance
 from hf_blockdiag_cp.conformance import EXACT, FAIL, REFUSED, check_model
-
 
 #: model type -> (expected status, a phrase the refusal must contain). One or more per sweep class.
 FAST = {

@@ -9,7 +9,6 @@ import pytest
 import torch
 
 from hf_blockdiag_cp import BlockDiagCPContext
-from hf_blockdiag_cp.attention.hf import blockdiag_cp_attention, blockdiag_cp_mask
 from hf_blockdiag_cp.attention.mask_spec import describe_mask_function
 from hf_blockdiag_cp.conformance import (
     build_model,
@@ -20,6 +19,7 @@ from hf_blockdiag_cp.conformance import (
     reference_run,
     tiny_config,
 )
+from hf_blockdiag_cp.integration import blockdiag_cp_attention, blockdiag_cp_mask
 from tests.reference import dense_reference
 
 ATOL = 1e-4

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import logging
 import pickle
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -77,17 +76,6 @@ def test_layout_context_pickles_and_refusals():
         bd.PackingCollator(40, cp_size=4, cp_rank=0, pad_token_id=0, ulysses_size=2, ulysses_groups=GROUPS)
     with pytest.raises(ValueError, match="ulysses_groups"):
         bd.PackingCollator(40, cp_size=4, cp_rank=0, pad_token_id=0, ulysses_size=2, heads=HeadShape(4, 1, 8))
-
-
-def test_head_shape_from_model_configs():
-    from tests.reference import tiny_model
-
-    assert HeadShape.from_model_config(tiny_model("llama").config) == HeadShape(4, 2, 16)
-    mla = SimpleNamespace(num_attention_heads=8, num_key_value_heads=8, qk_nope_head_dim=16, qk_rope_head_dim=8,
-                          v_head_dim=12, hidden_size=64)
-    assert HeadShape.from_model_config(mla) == HeadShape(8, 8, 24, 12)
-    with pytest.raises(ValueError, match="num_attention_heads"):
-        HeadShape.from_model_config(SimpleNamespace(hidden_size=8))
 
 
 def test_collator_logs_the_auto_choice_once(caplog):

@@ -44,7 +44,8 @@ def _exchange_worker(rank: int, world: int, local_len: int) -> dict:
     import torch.distributed as dist
 
     from hf_blockdiag_cp import BlockDiagCPConfig, BlockDiagCPContext, blockdiag_attention
-    from hf_blockdiag_cp.attention.cp import comm_stats, cp_attention
+    from hf_blockdiag_cp.attention.cp import sequence_attention
+    from hf_blockdiag_cp.attention.layer import comm_stats
 
     group = dist.group.WORLD
     results = {}
@@ -68,7 +69,7 @@ def _exchange_worker(rank: int, world: int, local_len: int) -> dict:
                 ctx = BlockDiagCPContext.build(doc, cp_rank=rank, cp_size=world, group=group, config=config)
             idx = ctx.local_index  # this rank's global positions under the placement
             local = [t[:, :, idx].detach().clone().requires_grad_() for t in (q, k, v)]
-            out = cp_attention(ctx, *local, dropout_p=0.0, scale=head_dim ** -0.5, window=None, softcap=None)
+            out = sequence_attention(ctx, *local, dropout_p=0.0, scale=head_dim ** -0.5, window=None, softcap=None)
             out = out.view(1, local_len, num_q_heads, head_dim).transpose(1, 2)
             grads = torch.autograd.grad(out, local, g[:, :, idx].float())
             errors = [(out - ref[:, :, idx]).abs().max().item()]
@@ -104,5 +105,6 @@ def test_every_strategy_and_layout_matches_single_process(world):
                 assert r["received"] == r["exact_need"], where
             if strategy == "auto" and layout == "no_straddle" and placement != "zigzag":
                 assert r["strategy"] == "none" and r["received"] == 0, where
-            if strategy == "halo" and layout in ("one_doc_spans_all_ranks",) and world > 2 and placement == "contiguous":
+            spans_all = layout in ("one_doc_spans_all_ranks",)
+            if strategy == "halo" and spans_all and world > 2 and placement == "contiguous":
                 assert r["strategy"] == "a2a", f"{where}: halo cannot reach back two ranks"

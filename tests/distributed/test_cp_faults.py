@@ -30,12 +30,13 @@ def _fallback_worker(rank: int, world: int) -> dict:
     import torch.distributed as dist
 
     from hf_blockdiag_cp import BlockDiagCPConfig, BlockDiagCPContext
-    from hf_blockdiag_cp.attention.cp import step_backends
+    from hf_blockdiag_cp.attention.layer import step_backends
     from tests.reference import tiny_model
 
     doc_ids, ids, pos, sl = _inputs(rank, world)
     config = BlockDiagCPConfig()  # rank 1's environment disables sdpa_doc
-    ctx = BlockDiagCPContext.build(doc_ids, placement="contiguous", cp_rank=rank, cp_size=world, group=dist.group.WORLD, config=config)
+    ctx = BlockDiagCPContext.build(doc_ids, placement="contiguous", cp_rank=rank, cp_size=world, group=dist.group.WORLD,
+                                   config=config)
     model = tiny_model("llama", attn_implementation="blockdiag_cp")
     logits = model(ids[:, sl], position_ids=pos[:, sl], cp_context=ctx, use_cache=False).logits[0]
     ref = tiny_model("llama", attn_implementation="blockdiag_cp")(ids, position_ids=pos, use_cache=False).logits[0]
@@ -62,7 +63,8 @@ def _kernel_failure_worker(rank: int, world: int) -> None:
         sdpa_doc.attention = broken
     doc_ids, ids, pos, sl = _inputs(rank, world)
     config = BlockDiagCPConfig(collective_timeout_s=30)
-    ctx = BlockDiagCPContext.build(doc_ids, placement="contiguous", cp_rank=rank, cp_size=world, group=dist.group.WORLD, config=config)
+    ctx = BlockDiagCPContext.build(doc_ids, placement="contiguous", cp_rank=rank, cp_size=world, group=dist.group.WORLD,
+                                   config=config)
     model = tiny_model("llama", attn_implementation="blockdiag_cp", num_hidden_layers=3)
     model.train()
     out = model(ids[:, sl], position_ids=pos[:, sl], labels=ids[:, sl], cp_context=ctx, use_cache=False)
@@ -86,7 +88,8 @@ def _mismatch_worker(rank: int, world: int) -> None:
     from tests.reference import tiny_model
 
     doc_ids, ids, pos, sl = _inputs(rank, world, seed=rank)  # each rank got different tokens
-    ctx = BlockDiagCPContext.build(doc_ids, placement="contiguous", cp_rank=rank, cp_size=world, group=dist.group.WORLD, input_ids=ids)
+    ctx = BlockDiagCPContext.build(doc_ids, placement="contiguous", cp_rank=rank, cp_size=world, group=dist.group.WORLD,
+                                   input_ids=ids)
     tiny_model("llama", attn_implementation="blockdiag_cp")(ids[:, sl], position_ids=pos[:, sl], cp_context=ctx,
                                                              use_cache=False)
 
@@ -116,7 +119,7 @@ def _sync_worker(rank: int, world: int) -> list[list[str]]:
     import torch.distributed as dist
 
     from hf_blockdiag_cp import BlockDiagCPConfig, BlockDiagCPContext
-    from hf_blockdiag_cp.attention.hf import blockdiag_cp_attention
+    from hf_blockdiag_cp.integration import blockdiag_cp_attention
     from tests.reference import tiny_model
     from tests.spies import registered_attention
     from tests.sync_counter import SyncCounter
@@ -136,8 +139,8 @@ def _sync_worker(rank: int, world: int) -> list[list[str]]:
         model.train()
         model.activation_checkpointing_enable()
         for strategy in ("a2a", "halo", "allgather"):
-            ctx = BlockDiagCPContext.build(doc_ids, placement="contiguous", cp_rank=rank, cp_size=world, group=dist.group.WORLD,
-                                           config=BlockDiagCPConfig(kv_exchange=strategy))
+            ctx = BlockDiagCPContext.build(doc_ids, placement="contiguous", cp_rank=rank, cp_size=world,
+                                           group=dist.group.WORLD, config=BlockDiagCPConfig(kv_exchange=strategy))
             with counter.patched():
                 out = model(ids[:, sl], position_ids=pos[:, sl], labels=ids[:, sl], cp_context=ctx,
                             use_cache=False)

@@ -30,40 +30,19 @@ CASES = [
 ]
 
 
-def _docs(lengths: list[int]):
-    import torch
-
-    gen = torch.Generator().manual_seed(7)
-    return [torch.randint(1, 97, (n,), generator=gen) for n in lengths]
-
-
-def _alone(kind: str, docs) -> tuple:
-    """Reference: each document alone through stock sdpa. ``(logits [T, V] in row order, grads, count)``."""
-    import torch
-
-    from tests.reference import tiny_model
-
-    model = tiny_model(kind, attn_implementation="sdpa")
-    count = sum(len(d) - 1 for d in docs)
-    logits = [model(d[None], use_cache=False).logits[0] for d in docs]
-    loss = sum(torch.nn.functional.cross_entropy(lg[:-1], d[1:], reduction="sum") for lg, d in zip(logits, docs))
-    (loss / count).backward()
-    return torch.cat(logits).detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
-
-
 def _model_worker(rank: int, world: int) -> dict:
     import torch
     import torch.distributed as dist
 
     import hf_blockdiag_cp as bd
-    from hf_blockdiag_cp.attention.cp import step_backends
-    from tests.reference import tiny_model
+    from hf_blockdiag_cp.attention.layer import step_backends
+    from tests.reference import documents_alone, random_documents, tiny_model
 
     report = {}
     for layout, lengths in LAYOUTS.items():
-        docs = _docs(lengths)
+        docs = random_documents(lengths)
         examples = [{"input_ids": d.tolist()} for d in docs]
-        refs = {kind: _alone(kind, docs) for kind in {c[0] for c in CASES}}
+        refs = {kind: documents_alone(kind, docs) for kind in {c[0] for c in CASES}}
         for kind, placement, strategy, checkpointing in CASES:
             model = tiny_model(kind, attn_implementation="blockdiag_cp")
             model.train()

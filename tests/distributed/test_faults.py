@@ -56,8 +56,8 @@ def _context(rank: int, world: int, group, config, *, lengths=LENGTHS, seed: int
     from hf_blockdiag_cp import BlockDiagCPContext
 
     doc_ids, ids, pos = _row(lengths, seed)
-    ctx = BlockDiagCPContext.build(doc_ids, placement="contiguous", cp_rank=rank, cp_size=cp_size or world, group=group, config=config,
-                                   input_ids=ids, position_ids=pos)
+    ctx = BlockDiagCPContext.build(doc_ids, placement="contiguous", cp_rank=rank, cp_size=cp_size or world, group=group,
+                                   config=config, input_ids=ids, position_ids=pos)
     sl = slice(ctx.row_offset, ctx.row_offset + ctx.local_len)
     return ctx, ids[:, sl], pos[:, sl]
 
@@ -277,7 +277,8 @@ def _scenario_worker(rank: int, world: int, names: list[str], ports: list[int], 
         elapsed = time.monotonic() - start
         dist.destroy_process_group()  # as a failing process would: its peers see the connection close
         with open(os.path.join(log_dir, f"rank{rank}.jsonl"), "a", encoding="utf-8") as fh:
-            fh.write(json.dumps({"scenario": name, "error": error, "message": message[:600], "elapsed_s": elapsed}) + "\n")
+            record = {"scenario": name, "error": error, "message": message[:600], "elapsed_s": elapsed}
+            fh.write(json.dumps(record) + "\n")
 
 
 def _run(names: list[str], world: int = 2, timeout: float = 240.0, timeout_s: float = TIMEOUT_S) -> dict[str, list]:

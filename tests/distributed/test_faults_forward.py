@@ -234,11 +234,10 @@ def _checkpointing_worker(rank: int, world: int) -> list[str]:
     import torch.distributed as dist
 
     import hf_blockdiag_cp as bd
-    from tests.distributed.test_cp_model import _alone, _docs
-    from tests.reference import tiny_model
+    from tests.reference import documents_alone, random_documents, tiny_model
 
-    docs = _docs([9, 40, 1, 17, 6, 12, 11])
-    ref_logits, ref_grads = _alone("llama", docs)
+    docs = random_documents([9, 40, 1, 17, 6, 12, 11])
+    ref_logits, ref_grads = documents_alone("llama", docs)
     examples = [{"input_ids": d.tolist()} for d in docs]
     checked = []
     for exchange in ("allgather", "halo", "a2a"):

@@ -16,7 +16,8 @@ def _rule_worker(rank: int, world: int) -> list[str]:
     import torch
     import torch.distributed as dist
 
-    from hf_blockdiag_cp.distributed.agreement import FORWARD_FIELDS, AgreementError, agree_on_forward
+    from hf_blockdiag_cp.distributed.agreement import AgreementError
+    from hf_blockdiag_cp.model.forward_agreement import FORWARD_FIELDS, agree_on_forward
 
     fields = {name: 1 for name in FORWARD_FIELDS}
     kw = dict(group=dist.group.WORLD, rank=rank, size=world, timeout=datetime.timedelta(seconds=30),

@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from hf_blockdiag_cp.attention import cp as cp_module
-from hf_blockdiag_cp.attention.cp import CPKernelError, kernel_failed
+from hf_blockdiag_cp.attention import layer as layer_module
+from hf_blockdiag_cp.attention.layer import CPKernelError, kernel_failed
 from hf_blockdiag_cp.distributed import CollectiveError, check_usable
 
 
@@ -31,19 +32,19 @@ def test_kernel_failure_marks_the_group_broken():
 
 
 def test_cp_attention_routes_kernel_failures_through_kernel_failed(monkeypatch):
-    """The kernel call of cp_attention marks the group: driven with a stubbed plan, backend and kernel."""
+    """The kernel call of sequence_attention marks the group: driven with a stubbed plan, backend and kernel."""
     group = _Group()
     ctx = types.SimpleNamespace(group=group, cp_rank=0, cp_size=2, config=None)
     monkeypatch.setattr(cp_module, "device_plan", lambda *a, **k: types.SimpleNamespace(plan=None, schedules=None))
-    monkeypatch.setattr(cp_module, "_backend", lambda *a, **k: "sdpa_doc")
-    monkeypatch.setattr(cp_module, "_rank_exchange", lambda *a, **k: None)
+    monkeypatch.setattr(cp_module, "step_backend", lambda *a, **k: "sdpa_doc")
+    monkeypatch.setattr(cp_module, "kv_exchange", lambda *a, **k: None)
 
     def broken_kernel(*args, **kwargs):
         raise RuntimeError("injected kernel fault")
 
-    monkeypatch.setattr(cp_module, "attend_flat", broken_kernel)
+    monkeypatch.setattr(layer_module, "attend_flat", broken_kernel)
     q = torch.zeros(1, 2, 4, 8)
     with pytest.raises(CPKernelError, match="injected kernel fault"):
-        cp_module.cp_attention(ctx, q, q[:, :1], q[:, :1], dropout_p=0.0, scale=1.0, window=None, softcap=None)
+        cp_module.sequence_attention(ctx, q, q[:, :1], q[:, :1], dropout_p=0.0, scale=1.0, window=None, softcap=None)
     with pytest.raises(CollectiveError, match="this CP group failed earlier"):
         check_usable(group, "K/V exchange", 0)

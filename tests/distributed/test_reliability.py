@@ -89,7 +89,8 @@ def test_process_group_timeout_is_the_collective_timeout_plus_a_margin():
 def _all_ignored_batch() -> dict:
     collator = bd.PackingCollator(16, pad_token_id=0)
     with pytest.warns(RuntimeWarning, match="no targets .* num_items_in_batch=0"):
-        return collator([{"input_ids": [5, 6, 7, 8], "labels": [-100] * 4}, {"input_ids": [9, 10], "labels": [-100] * 2}])
+        return collator([{"input_ids": [5, 6, 7, 8], "labels": [-100] * 4},
+                         {"input_ids": [9, 10], "labels": [-100] * 2}])
 
 
 def test_a_step_without_targets_gives_loss_zero_and_zero_gradients_after_normalize_num_items():
@@ -204,7 +205,8 @@ def _setup_and_positions_worker(rank: int, world: int, tmp: str) -> dict:
     # normalize_num_items over dp=2 with one group without targets: the exact count, not clamped per group.
     dp_mesh = bd.init_device_mesh(1)
     counts = {0: 0, 1: 6}
-    out["normalized"] = bd.normalize_num_items({"num_items_in_batch": counts[rank]}, dp_mesh)["num_items_in_batch"].item()
+    normalized = bd.normalize_num_items({"num_items_in_batch": counts[rank]}, dp_mesh)
+    out["normalized"] = normalized["num_items_in_batch"].item()
     out["normalized_zero"] = bd.normalize_num_items({"num_items_in_batch": 0}, dp_mesh)["num_items_in_batch"].item()
     dist.barrier()
     return out

@@ -53,12 +53,16 @@ def dense_attention(q, k, v, row, q_pos, k_pos, window):
 
 def _worker(rank: int, world: int) -> dict:
     import torch
-    import torch.distributed as dist
 
     from hf_blockdiag_cp import BlockDiagCPConfig
     from hf_blockdiag_cp.distributed.exchange import CommStats, RankExchange, exchange_kv
-    from hf_blockdiag_cp.distributed.ulysses import HeadA2A, heads_to_tokens, new_subgroups, subgroup_ranks, \
-        tokens_to_heads
+    from hf_blockdiag_cp.distributed.ulysses import (
+        HeadA2A,
+        heads_to_tokens,
+        new_subgroups,
+        subgroup_ranks,
+        tokens_to_heads,
+    )
     from hf_blockdiag_cp.planning.layout import HeadShape, plan_layout
 
     groups = {u: new_subgroups([list(range(world))], u, timeout_s=60) for u in sorted({s[1] for s in SCENARIOS[world]})}

@@ -36,7 +36,7 @@ def _worker(rank: int, world: int) -> dict:
     import torch.distributed as dist
 
     import hf_blockdiag_cp as bd
-    from hf_blockdiag_cp.attention import blockdiag_cp_attention
+    from hf_blockdiag_cp.integration import blockdiag_cp_attention
     from hf_blockdiag_cp.planning.layout import HeadShape
     from tests.reference import dense_reference
 

@@ -74,7 +74,7 @@ def _worker(rank: int, world: int) -> dict:
     import torch.distributed as dist
 
     import hf_blockdiag_cp as bd
-    from hf_blockdiag_cp.attention.cp import comm_stats
+    from hf_blockdiag_cp import comm_stats
 
     groups = bd.ulysses_groups(None, "auto", config=bd.BlockDiagCPConfig(collective_timeout_s=60))
     report = {}

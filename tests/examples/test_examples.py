@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+
 from tests.launch import launch_example, run_example
 
 ROOT = Path(__file__).resolve().parents[2]

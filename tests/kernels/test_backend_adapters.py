@@ -15,7 +15,7 @@ import warnings
 import pytest
 import torch
 
-from hf_blockdiag_cp import BlockDiagCPConfig, blockdiag_attention, build_varlen_plan
+from hf_blockdiag_cp import BlockDiagCPConfig, blockdiag_attention
 from hf_blockdiag_cp.attention.core import attend_flat, flat_rows
 from hf_blockdiag_cp.config import BACKENDS
 from hf_blockdiag_cp.kernels import (
@@ -25,6 +25,7 @@ from hf_blockdiag_cp.kernels import (
     choose_backend,
     unavailable_reason,
 )
+from hf_blockdiag_cp.planning import build_varlen_plan
 from tests.layouts import runs as _runs
 from tests.reference import dense_reference
 from tests.standins import FlashContractError, Standins, clear_caches, standins  # noqa: F401 (fixture)

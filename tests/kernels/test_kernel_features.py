@@ -9,12 +9,13 @@ transformers' own eager attention instead. The availability checks read what eac
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 
 import pytest
 import torch
 
-from hf_blockdiag_cp import blockdiag_attention, build_varlen_plan
+from hf_blockdiag_cp import blockdiag_attention
 from hf_blockdiag_cp.kernels import (
     BackendUnavailable,
     KernelCall,
@@ -26,6 +27,7 @@ from hf_blockdiag_cp.kernels import (
     torch_varlen,
     unavailable_reason,
 )
+from hf_blockdiag_cp.planning import build_varlen_plan
 from tests.layouts import runs as _runs
 from tests.reference import dense_reference
 from tests.standins import standins  # noqa: F401 (fixture)
@@ -276,7 +278,8 @@ def _spec(device_type: str, dtype: torch.dtype, feature: str | None, **extra) ->
 def test_backends_report_features_they_lack(standins, monkeypatch, feature):
     # flash/te: stand-ins, their availability checks run as if on CUDA; torch_varlen: only its
     # device gate is lifted. Every feature check is the adapter's own code.
-    monkeypatch.setattr(torch_varlen, "cuda_half_reason", lambda spec, library: None)
+    monkeypatch.setattr(torch_varlen, "CAPABILITIES", dataclasses.replace(torch_varlen.CAPABILITIES, devices=None,
+                                                                         dtypes=None))
     plain = _spec("cuda", torch.bfloat16, None)
     spec = _spec("cuda", torch.bfloat16, feature)
     assert {"flash", "te", "torch_varlen", "sdpa_doc", "sdpa_mask"} <= available_backends(plain)

@@ -12,7 +12,6 @@ import torch.distributed as dist
 
 from hf_blockdiag_cp import compat
 
-
 # ---- torch: the CPU flash-attention ops (kernels/sdpa_doc.py) ----------------------------------------------
 
 def _qkv(requires_grad: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -155,3 +154,47 @@ def test_accelerate_prepared_mark_and_models_list_are_undone():
     compat.forget_accelerate_prepared(accelerator, model)
     assert not compat.accelerate_prepared(model) and model not in accelerator._models
     assert math.isfinite(float(model(torch.ones(1, 2)).detach().sum()))  # the model itself is untouched
+
+
+# ---- transformers: mask closures, the AttentionInterface heuristic, _from_config ----------------------------
+
+def test_mask_closures_name_transformers_building_blocks():
+    """Each qualname the mask reader dispatches on is a function (or the closure a factory returns) of
+    transformers.masking_utils, with the closure variables the reader takes by name."""
+    import transformers.masking_utils as mu
+
+    closures = compat.MASK_CLOSURES
+    assert mu.causal_mask_function.__qualname__ == closures["causal"]
+    assert mu.bidirectional_mask_function.__qualname__ == closures["bidirectional"]
+    both = mu.and_masks(mu.causal_mask_function)
+    assert both.__qualname__ == closures["and"] and "mask_functions" in both.__code__.co_freevars
+    either = mu.or_masks(mu.causal_mask_function)
+    assert either.__qualname__ == closures["or"] and "mask_functions" in either.__code__.co_freevars
+    window = mu.sliding_window_overlay(4)
+    assert window.__qualname__ == closures["sliding_window"] and "sliding_window" in window.__code__.co_freevars
+    chunk = mu.chunked_overlay(4, None)
+    assert chunk.__qualname__ == closures["chunked"] and "chunk_size" in chunk.__code__.co_freevars
+    padding = mu.padding_mask_function(torch.ones(1, 4, dtype=torch.bool))
+    assert padding.__qualname__ == closures["padding"] and "padding_mask" in padding.__code__.co_freevars
+    packed = mu.packed_sequence_mask_function(torch.zeros(1, 4, dtype=torch.long))
+    assert packed.__qualname__ == closures["packed_sequence"]
+    assert "packed_sequence_mask" in packed.__code__.co_freevars
+    for role in ("remap_positions", "bidirectional_sliding_window"):
+        factory = getattr(mu, closures[role].split(".")[0])
+        assert callable(factory), role
+
+
+def test_can_set_attn_implementation_is_transformers_heuristic():
+    from tests.reference import tiny_model
+
+    assert compat.can_set_attn_implementation(type(tiny_model("llama"))) is True
+    assert compat.can_set_attn_implementation(object) is None
+
+
+def test_model_from_config_builds_a_model_of_the_given_class():
+    import transformers
+
+    config = transformers.LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                      num_attention_heads=2, num_key_value_heads=1)
+    model = compat.model_from_config(transformers.LlamaForCausalLM, config, attn_implementation="sdpa")
+    assert isinstance(model, transformers.LlamaForCausalLM) and model.config._attn_implementation == "sdpa"

@@ -11,7 +11,6 @@ from pathlib import Path
 
 import pytest
 
-
 PACKAGE = Path(__file__).resolve().parents[2] / "hf_blockdiag_cp"
 
 

@@ -80,8 +80,8 @@ def _reference_assign(spans, parts, cp_size, local_len, windows, cache=None):
     return placed, load, room, spilled
 
 
-def _reference_improve(placed: list[list[_Item]], load: list[float], room: list[int], *, steps: int = 8,
-             width: int = 16) -> None:
+def _reference_improve(placed: list[list], load: list[float], room: list[int], *, steps: int = 8,
+                       width: int = 16) -> None:
     """Local search: move a whole item off the most loaded rank, or swap it for a lighter one, while
     that lowers the pair's maximum (only whole items move: no new split, no new K/V traffic beyond
     where the pieces already were). Looks at the ``width`` heaviest items of each rank. (Before issue 25: a loop
@@ -89,7 +89,7 @@ def _reference_improve(placed: list[list[_Item]], load: list[float], room: list[
     ranks = range(len(load))
     for _ in range(steps):
         worst = max(ranks, key=lambda r: load[r])
-        best: tuple[float, int, int, int | None] | None = None
+        best = None
         for i, a in enumerate(placed[worst][:width]):
             for r in ranks:
                 if r == worst:

@@ -225,23 +225,3 @@ def test_config_reads_ulysses_size_from_the_environment(monkeypatch):
     monkeypatch.delenv("HF_BLOCKDIAG_CP_ULYSSES_SIZE")
     monkeypatch.setenv("HF_BLOCKDIAG_CP_LAYOUT_FLOPS_PER_BYTE", "100")
     assert BlockDiagCPConfig().layout_flops_per_byte == 100.0
-
-
-def test_per_layer_config_attributes_are_read_per_layer():
-    """transformers' heterogeneous configs (gemma4: head_dim per layer) refuse a global read; the sweep at CP = 2
-    found the per-forward agreement crashing on it. Both readers take the per-layer values."""
-    import pytest
-
-    from hf_blockdiag_cp.conformance.configs import tiny_config
-    from hf_blockdiag_cp.model.forward_agreement import _config_int
-    from hf_blockdiag_cp.planning.layout import HeadShape, config_values
-
-    config = tiny_config("gemma4_text")
-    with pytest.raises(RuntimeError, match="per-layer attribute"):
-        config.head_dim  # noqa: B018  (what the agreement used to read)
-    dims = config_values(config, "head_dim")
-    assert len(dims) == config.num_hidden_layers and len(set(dims)) == 2, dims
-    assert config_values(config, "num_attention_heads") == (config.num_attention_heads,)
-    assert _config_int(config, "head_dim") == sum((i + 1) * d for i, d in enumerate(dims))
-    with pytest.raises(NotImplementedError, match="sets head_dim per layer"):
-        HeadShape.from_model_config(config)

@@ -19,8 +19,12 @@ from hf_blockdiag_cp.planning.fingerprint import checksum_weights, shard_checksu
 from hf_blockdiag_cp.planning.layout import HeadShape, plan_layout
 from hf_blockdiag_cp.planning.placement import make_placement
 
-from .reference_plans import (reference_balanced_placement, reference_exchange, reference_shard_checksum,
-                              reference_transfer)
+from .reference_plans import (
+    reference_balanced_placement,
+    reference_exchange,
+    reference_shard_checksum,
+    reference_transfer,
+)
 
 PLACEMENT_KINDS = ("contiguous", "zigzag", "balanced")
 

@@ -18,17 +18,16 @@ from __future__ import annotations
 
 import dataclasses
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from types import ModuleType
 
 import pytest
-import torch
 
 from hf_blockdiag_cp.kernels import flash as flash_adapter
 from hf_blockdiag_cp.kernels import te as te_adapter
 from hf_blockdiag_cp.kernels._imports import optional_import
-from hf_blockdiag_cp.kernels.base import KernelSpec
+from hf_blockdiag_cp.kernels.base import Capabilities
 
 from . import flash_attn as flash_standin
 from . import transformer_engine as te_standin
@@ -38,7 +37,7 @@ from .transformer_engine import ContractError as TEContractError
 from .transformer_engine import TECall, TEConstruction
 
 __all__ = ["FlashCall", "FlashContractError", "Standins", "TECall", "TEConstruction", "TEContractError",
-           "clear_caches", "install", "standins"]
+           "as_if_cuda_capabilities", "clear_caches", "install", "standins"]
 
 
 @dataclass
@@ -55,18 +54,10 @@ def clear_caches() -> None:
     te_adapter._dot_product_attention.cache_clear()
 
 
-def _as_if_cuda(check: Callable[[KernelSpec], str | None]) -> Callable[[KernelSpec], str | None]:
-    """Run an adapter's availability check as if a CPU call were on CUDA in a half dtype.
-
-    The stand-ins accept any float dtype on any device; only the device/dtype gate is bypassed, every
-    other check (import, dropout, softcap, head dims) still runs the adapter's own code.
-    """
-
-    def check_as_cuda(spec: KernelSpec) -> str | None:
-        dtype = torch.bfloat16 if spec.dtype in (torch.float32, torch.float64) else spec.dtype
-        return check(dataclasses.replace(spec, device_type="cuda", dtype=dtype))
-
-    return check_as_cuda
+def as_if_cuda_capabilities(caps: Capabilities) -> Capabilities:
+    """An adapter's capabilities with the device/dtype gate lifted (the stand-ins accept any float dtype on any
+    device); every other declared limit (import, dropout, softcap, head dims, sinks) still applies."""
+    return dataclasses.replace(caps, devices=None, dtypes=None)
 
 
 def install(mp: pytest.MonkeyPatch, *, flash: bool = True, te: bool = True, as_if_cuda: bool = True) -> Standins:
@@ -81,8 +72,8 @@ def install(mp: pytest.MonkeyPatch, *, flash: bool = True, te: bool = True, as_i
         mp.setitem(sys.modules, "transformer_engine", package)
         mp.setitem(sys.modules, "transformer_engine.pytorch", te_module)
     if as_if_cuda:
-        mp.setattr(flash_adapter, "unavailable_reason", _as_if_cuda(flash_adapter.unavailable_reason))
-        mp.setattr(te_adapter, "unavailable_reason", _as_if_cuda(te_adapter.unavailable_reason))
+        mp.setattr(flash_adapter, "CAPABILITIES", as_if_cuda_capabilities(flash_adapter.CAPABILITIES))
+        mp.setattr(te_adapter, "CAPABILITIES", as_if_cuda_capabilities(te_adapter.CAPABILITIES))
     return Standins(flash_module, te_module)
 
 

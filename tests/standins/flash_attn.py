@@ -19,8 +19,8 @@ test comes from :func:`make_module`.
 from __future__ import annotations
 
 import types
-from typing import NoReturn
 from dataclasses import dataclass
+from typing import NoReturn
 
 import torch
 

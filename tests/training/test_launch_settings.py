@@ -140,7 +140,9 @@ def _collator_worker(rank: int, world: int, tmp: str) -> dict:
 
     import hf_blockdiag_cp as bd
     from tests.reference import tiny_model
-    from tests.training.test_trainer_cp import _documents, _reference_step, _training_args
+    from tests.training.trainer_setup import documents as _documents
+    from tests.training.trainer_setup import reference_step as _reference_step
+    from tests.training.trainer_setup import training_args as _training_args
 
     mesh = bd.init_device_mesh(world)
     examples = [{"input_ids": d.tolist()} for d in _documents()]
@@ -192,7 +194,7 @@ def _collator_worker(rank: int, world: int, tmp: str) -> dict:
 @pytest.mark.distributed
 @pytest.mark.slow
 def test_function_collators_are_accepted_when_they_expose_their_topology(tmp_path):
-    from tests.training.test_trainer_cp import _rank_env
+    from tests.training.trainer_setup import rank_env as _rank_env
 
     for rank, messages in enumerate(run_ranks(_collator_worker, 2, str(tmp_path), timeout=240, env=_rank_env(2))):
         text = messages["no topology"]

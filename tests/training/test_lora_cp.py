@@ -8,6 +8,7 @@ import json
 from pathlib import Path
 
 import pytest
+
 from tests.launch import run_example
 
 pytest.importorskip("peft")

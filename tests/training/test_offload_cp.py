@@ -10,7 +10,10 @@ from __future__ import annotations
 import pytest
 
 from tests.launch import run_ranks
-from tests.training.test_trainer_cp import _documents, _rank_env, _reference_step, _training_args
+from tests.training.trainer_setup import documents as _documents
+from tests.training.trainer_setup import rank_env as _rank_env
+from tests.training.trainer_setup import reference_step as _reference_step
+from tests.training.trainer_setup import training_args as _training_args
 
 pytestmark = pytest.mark.distributed
 

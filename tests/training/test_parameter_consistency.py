@@ -89,7 +89,9 @@ def _trainer_worker(rank: int, world: int, tmp: str) -> str:
 
     import hf_blockdiag_cp as bd
     from tests.reference import tiny_model
-    from tests.training.test_trainer_cp import SEQ_LEN, _documents, _training_args
+    from tests.training.trainer_setup import SEQ_LEN
+    from tests.training.trainer_setup import documents as _documents
+    from tests.training.trainer_setup import training_args as _training_args
 
     class PerturbOnRank1(TrainerCallback):
         """Runs before the package's check (callbacks run in the order added): the weights of rank 1 drift
@@ -116,7 +118,7 @@ def _trainer_worker(rank: int, world: int, tmp: str) -> str:
 
 @pytest.mark.slow
 def test_cp_trainer_refuses_ranks_with_different_weights_at_the_first_step(tmp_path):
-    from tests.training.test_trainer_cp import _rank_env
+    from tests.training.trainer_setup import rank_env as _rank_env
 
     messages = run_ranks(_trainer_worker, 2, str(tmp_path), timeout=300, env=_rank_env(2))
     for message in messages:

@@ -12,7 +12,11 @@ from __future__ import annotations
 import pytest
 
 from tests.launch import run_ranks
-from tests.training.test_trainer_cp import SEQ_LEN, _documents, _rank_env, _reference_eval_loss, _training_args
+from tests.training.trainer_setup import SEQ_LEN
+from tests.training.trainer_setup import documents as _documents
+from tests.training.trainer_setup import rank_env as _rank_env
+from tests.training.trainer_setup import reference_eval_loss as _reference_eval_loss
+from tests.training.trainer_setup import training_args as _training_args
 
 pytestmark = pytest.mark.distributed
 

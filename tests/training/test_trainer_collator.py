@@ -13,7 +13,7 @@ import torch
 from transformers import Trainer, TrainingArguments
 
 from hf_blockdiag_cp import BlockDiagCPContext, PackedDataset, PackingCollator
-from hf_blockdiag_cp.attention.hf import blockdiag_cp_attention
+from hf_blockdiag_cp.integration import blockdiag_cp_attention
 from tests.reference import tiny_model
 from tests.spies import registered_attention
 

@@ -17,63 +17,16 @@ import pytest
 from transformers import TrainerCallback
 
 from tests.launch import launch_example, run_ranks
+from tests.training.trainer_setup import SEQ_LEN
+from tests.training.trainer_setup import documents as _documents
+from tests.training.trainer_setup import rank_env as _rank_env
+from tests.training.trainer_setup import reference_eval_loss as _reference_eval_loss
+from tests.training.trainer_setup import reference_step as _reference_step
+from tests.training.trainer_setup import training_args as _training_args
 
 pytestmark = pytest.mark.distributed
 
 ROOT = Path(__file__).resolve().parents[2]
-SEQ_LEN = 48
-# Four documents per micro-batch (each group fits one row of SEQ_LEN), two micro-batches per step.
-DOC_LENGTHS = [9, 14, 1, 20, 30, 5, 11, 2]
-
-
-def _rank_env(world: int) -> dict[int, dict[str, str]]:
-    """What a launcher would set: accelerate reads it to run MULTI_CPU on the already-initialised group."""
-    return {r: {"RANK": str(r), "LOCAL_RANK": str(r), "WORLD_SIZE": str(world), "LOCAL_WORLD_SIZE": str(world),
-                "MASTER_ADDR": "127.0.0.1"} for r in range(world)}
-
-
-def _documents() -> list:
-    import torch
-
-    gen = torch.Generator().manual_seed(5)
-    return [torch.randint(1, 97, (n,), generator=gen) for n in DOC_LENGTHS]
-
-
-def _reference_step() -> tuple[dict, dict, float]:
-    """One SGD step (lr 1) of one process on all documents, each run alone through stock sdpa."""
-    from tests.reference import per_document_sgd_step
-
-    return per_document_sgd_step(_documents())
-
-
-def _reference_eval_loss() -> float:
-    """The Trainer's eval_loss definition (mean over eval steps of each step's token mean), computed with every
-    document run alone through stock sdpa; an eval step is one row of four documents here."""
-    import torch
-
-    from tests.reference import tiny_model
-
-    model = tiny_model("llama", attn_implementation="sdpa")
-    docs = _documents()
-    means = []
-    with torch.no_grad():
-        for row in (docs[:4], docs[4:]):
-            total = sum(torch.nn.functional.cross_entropy(model(d[None], use_cache=False).logits[0, :-1], d[1:],
-                                                          reduction="sum") for d in row)
-            means.append(float(total) / sum(len(d) - 1 for d in row))
-    return sum(means) / len(means)
-
-
-def _training_args(tmp: str, **overrides):
-    from transformers import TrainingArguments
-
-    base = dict(output_dir=tmp, use_cpu=True, report_to=[], save_strategy="no", disable_tqdm=True, logging_steps=1,
-                max_steps=1, per_device_train_batch_size=4, per_device_eval_batch_size=4, gradient_accumulation_steps=2,
-                train_sampling_strategy="sequential", max_grad_norm=0.0, lr_scheduler_type="constant",
-                warmup_steps=0, ddp_find_unused_parameters=False)
-    return TrainingArguments(**{**base, **overrides})
-
-
 def _one_step_worker(rank: int, world: int, tmp: str) -> dict:
     import torch
 
@@ -113,7 +66,8 @@ def _one_step_worker(rank: int, world: int, tmp: str) -> dict:
     rows = bd.PackedDataset(examples, 32)
     assert len(list(rows)) == 3
     args = _training_args(tmp, per_device_train_batch_size=1, per_device_eval_batch_size=1, max_steps=3)
-    trainer = bd.CPTrainer(model=model, args=args, train_dataset=rows, data_collator=bd.PackingCollator(32, pad_token_id=0), mesh=dp_mesh)
+    trainer = bd.CPTrainer(model=model, args=args, train_dataset=rows,
+                           data_collator=bd.PackingCollator(32, pad_token_id=0), mesh=dp_mesh)
     trainer.train()
     losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
     assert trainer.state.global_step == 3 and len(losses) == 3 and all(math.isfinite(x) for x in losses)

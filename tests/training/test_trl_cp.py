@@ -1,7 +1,8 @@
 """TRL's ``SFTTrainer`` under CP (issue 11, part 2): ``CPSFTTrainer``.
 
 (a) examples/sft_trl_cp.py on 2 CPU processes started as ``accelerate launch`` starts them (``run_example``; the
-    real launcher runs this script in test_launch_settings.py) (no ``--cp-size``: all processes form the CP group), chat prompt/completion data through TRL's chat template and completion-only
+    real launcher runs this script in test_launch_settings.py) (no ``--cp-size``: all processes form the CP
+    group), chat prompt/completion data through TRL's chat template and completion-only
     loss: the first step's loss and gradients, and the eval_loss (with an eval row whose second CP shard is all
     padding), equal one process running every document alone through stock sdpa;
 (b) on one process, TRL's other dataset types (plain prompt/completion, plain text, one example per row) give the
@@ -18,6 +19,7 @@ import sys
 from pathlib import Path
 
 import pytest
+
 from tests.launch import run_example
 
 pytest.importorskip("trl")

@@ -13,6 +13,7 @@ import json
 import math
 
 import pytest
+
 from tests.launch import run_example
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]

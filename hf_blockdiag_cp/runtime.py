@@ -1,15 +1,18 @@
-"""The step's runtime: what the attention layers derive from a context once and then reuse (not data).
+"""The one home of per-step run-time state: what a step's forwards and layers derive from its context (not data).
 
-A :class:`~hf_blockdiag_cp.context.BlockDiagCPContext` and its plans are frozen host data. What the
-layers of one step build from them lives here, in one :class:`StepRuntime` per context: the plans'
-device copies with the kernel schedules derived from them, the CP ranks' agreement, the backend chosen
-per kernel spec, this rank's device-ready K/V exchanges and the bytes they moved. The first layer of a
-step fills it; every later layer and activation-checkpoint recompute reuses it.
+A :class:`~hf_blockdiag_cp.context.BlockDiagCPContext` and its plans are frozen host data. What one step
+builds from them lives here, in one :class:`StepRuntime` per context: the plans' device copies with the
+kernel schedules derived from them, the CP ranks' agreement, the backend chosen per kernel spec, this
+rank's device-ready K/V exchanges and the bytes they moved (filled by the first attention layer, reused by
+every later layer and activation-checkpoint recompute), and the number of model forwards run on the context
+(counted by the model's pre-hook, :mod:`hf_blockdiag_cp.model.forward_agreement`).
 
-It is reached from the context through one attribute: :func:`step_runtime` keys a weak map owned by
-this module by ``ctx.origin or ctx`` (``origin``: the context a device copy was made from), so a
-context and all its device copies share one runtime, created on first use, and it goes away with the
-context. Nothing here references a context, so the weak map never keeps one alive.
+This module sits below both :mod:`hf_blockdiag_cp.attention` and :mod:`hf_blockdiag_cp.model`; any token
+mixer that runs on a context (attention today, recurrent layers next) keeps its per-step state here.
+:func:`owner` is the one lookup from a context to the context that owns its state (``ctx.origin or ctx``:
+``origin`` is the context a device copy was made from); :func:`step_runtime` keys a weak map owned by this
+module by that owner, so a context and all its device copies share one runtime, created on first use, and
+it goes away with the context. Nothing here references a context, so the weak map never keeps one alive.
 """
 
 from __future__ import annotations
@@ -20,14 +23,15 @@ from typing import NamedTuple
 
 import torch
 
-from ..context import BlockDiagCPContext
-from ..distributed import CommStats, RankExchange
-from ..distributed.ulysses import HeadA2A
-from ..kernels import KernelSpec
-from ..kernels.base import PlanSchedules
-from ..planning import VarlenPlan
+from .context import BlockDiagCPContext
+from .distributed import CommStats, RankExchange
+from .distributed.ulysses import HeadA2A
+from .kernels import KernelSpec
+from .kernels.base import PlanSchedules
+from .planning import VarlenPlan
 
-__all__ = ["DevicePlan", "PlanKey", "StepRuntime", "device_plan", "step_runtime"]
+__all__ = ["DevicePlan", "PlanKey", "StepRuntime", "device_plan", "find_runtime", "owner", "plan_key",
+           "step_runtime"]
 
 
 class PlanKey(NamedTuple):
@@ -56,6 +60,8 @@ class StepRuntime:
         exchanges: this rank's device-ready exchange per device and planned window (``None``: nothing moves).
         comm: bytes moved by this step's K/V exchanges (and head all-to-alls).
         head_a2a: this rank's head all-to-all per device (``ulysses_size > 1`` only).
+        forwards: model forwards this rank ran on the context (the forward agreement's counter; a
+            gradient-checkpoint recompute runs the layers only and is not counted).
     """
 
     plans: dict[PlanKey, DevicePlan] = field(default_factory=dict)
@@ -64,19 +70,30 @@ class StepRuntime:
     exchanges: dict[PlanKey, RankExchange | None] = field(default_factory=dict)
     comm: CommStats = field(default_factory=CommStats)
     head_a2a: dict[torch.device, HeadA2A] = field(default_factory=dict)
+    forwards: int = 0
 
 
 #: The runtime of every live context (by identity: contexts compare by identity), the module's one cache.
 _RUNTIMES: weakref.WeakKeyDictionary[BlockDiagCPContext, StepRuntime] = weakref.WeakKeyDictionary()
 
 
+def owner(ctx: BlockDiagCPContext) -> BlockDiagCPContext:
+    """The context that owns ``ctx``'s step state: the context its device copy was made from, else itself."""
+    return ctx if ctx.origin is None else ctx.origin
+
+
 def step_runtime(ctx: BlockDiagCPContext) -> StepRuntime:
     """The runtime of ``ctx``'s step, shared with its device copies (created on first use)."""
-    owner = ctx if ctx.origin is None else ctx.origin
-    runtime = _RUNTIMES.get(owner)
+    key = owner(ctx)
+    runtime = _RUNTIMES.get(key)
     if runtime is None:
-        runtime = _RUNTIMES[owner] = StepRuntime()
+        runtime = _RUNTIMES[key] = StepRuntime()
     return runtime
+
+
+def find_runtime(ctx: BlockDiagCPContext) -> StepRuntime | None:
+    """The runtime of ``ctx``'s step if one was created (never creates one)."""
+    return _RUNTIMES.get(owner(ctx))
 
 
 def plan_key(ctx: BlockDiagCPContext, device: torch.device, window: int | None) -> PlanKey:

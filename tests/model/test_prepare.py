@@ -13,8 +13,8 @@ import transformers
 from transformers import GPT2Config, GPT2LMHeadModel, PreTrainedModel
 
 import hf_blockdiag_cp as bd
-from hf_blockdiag_cp.model import UnsupportedModel, package_hooks, prepare_model, unprepare_model
-from hf_blockdiag_cp.model import prepare, transformers_patches
+from hf_blockdiag_cp import integration as transformers_patches
+from hf_blockdiag_cp.model import UnsupportedModel, package_hooks, prepare, prepare_model, unprepare_model
 from tests.reference import tiny_model
 
 LENGTHS = (7, 3, 11, 5)  # one packed row of 26 tokens, no padding
@@ -85,7 +85,8 @@ def test_filling_runs_before_refusing_in_the_one_pre_hook(monkeypatch):
     """The refusal sees the arguments as filled: spy on it through the module it is looked up in."""
     seen = []
     original = prepare._refuse
-    monkeypatch.setattr(prepare, "_refuse", lambda m, p, a, k: seen.append(k.get("position_ids")) or original(m, p, a, k))
+    monkeypatch.setattr(prepare, "_refuse",
+                        lambda m, p, a, k: seen.append(k.get("position_ids")) or original(m, p, a, k))
     batch = _packed_without_positions(_docs())
     bd.guard_model(_gpt2("blockdiag_cp"))(**batch, use_cache=False)
     assert len(seen) == 1 and torch.equal(seen[0], batch["cp_context"].local_position_ids)
@@ -209,7 +210,8 @@ def test_one_definition_of_the_attention_name_and_one_reader_of_the_models_imple
     assignments, readers = [], []
     for path in package.rglob("*.py"):
         for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.Assign) and isinstance(node.value, ast.Constant) and node.value.value == "blockdiag_cp":
+            constant = isinstance(node, ast.Assign) and isinstance(node.value, ast.Constant)
+            if constant and node.value.value == "blockdiag_cp":
                 assignments.append(str(path.relative_to(package)))
             if isinstance(node, ast.Attribute) and node.attr == "_attn_implementation":
                 readers.append(str(path.relative_to(package)))

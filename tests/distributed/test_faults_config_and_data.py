@@ -108,7 +108,7 @@ def _sdpa_mask_with_nan(rank, world, mesh, config):
 
     import torch
 
-    from hf_blockdiag_cp.attention.cp import step_backends
+    from hf_blockdiag_cp.attention.layer import step_backends
 
     group = mesh["cp"].get_group()
     model = harness._model()

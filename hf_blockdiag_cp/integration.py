@@ -1,0 +1,326 @@
+"""The transformers integration, in one module: the ``"blockdiag_cp"`` attention function, its mask function's
+registration, and every patch of transformers' ``PreTrainedModel`` the package makes.
+
+This module sits above :mod:`hf_blockdiag_cp.attention` (the math, which knows nothing of models) and
+:mod:`hf_blockdiag_cp.model` (preparation and refusals); neither imports it.
+
+transformers calls the registered mask function (:mod:`.attention.mask`) once per forward and hands its
+:class:`~.attention.mask.BlockDiagMask` to every layer as ``attention_mask``; the layer's attention function here
+takes its documents from ``cp_context`` (the collator's per-step context: no host reads at all in the
+layers), else from the keyword arguments (:mod:`.attention.keywords`), and runs the plan (:mod:`.attention.core`, or
+:mod:`.attention.cp` for a CP shard).
+
+What cannot be computed exactly is refused with ``NotImplementedError`` naming the cause, never
+dropped: attention keywords this function does not implement, mask patterns other than those of
+:mod:`.attention.mask_spec`, bidirectional masks, model code that uses the mask itself; model-level refusals
+(other token mixers, absolute positions, attention that bypasses ``AttentionInterface``) live in
+:mod:`hf_blockdiag_cp.model`.
+
+Everything ``import hf_blockdiag_cp`` patches in transformers: three ``PreTrainedModel`` methods, wrapped.
+
+- ``post_init`` (the end of every model's ``__init__``: ``from_pretrained`` / ``from_config`` /
+  ``Model(config)``): prepare a model built with ``attn_implementation="blockdiag_cp"``
+  (:func:`~.model.prepare.prepare_model`), so users who only pass the attention name get its refusals;
+- ``set_attn_implementation``: prepare a model switched to ``"blockdiag_cp"`` (its outermost models
+  using it);
+- ``_check_and_adjust_attn_implementation`` (transformers' check of a requested implementation, at
+  ``__init__`` and in ``set_attn_implementation``): refuse a model whose attention bypasses
+  ``AttentionInterface`` (:func:`~.model.detect.refuse_bypassing_model`) before it is switched.
+
+Models using other implementations are untouched. Each wrapper carries ``_blockdiag_cp_wrapped``; a
+transformers release that renames a method makes :func:`patch_transformers` raise ``ImportError``
+naming it (tests/model/test_prepare.py checks each one is installed and called).
+"""
+
+from __future__ import annotations
+
+import functools
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from transformers import AttentionInterface, PreTrainedModel
+from transformers.masking_utils import AttentionMaskInterface
+
+from .attention.core import attend_flat, autocast_like_sdpa, check_qkv, flat_rows, kernel_spec, resolve_backend
+from .attention.cp import sequence_attention
+from .attention.keywords import check_keywords, chunked_context_plan, plan_from_kwargs, refuse_appended_keys
+from .attention.mask import BlockDiagMask, blockdiag_cp_mask
+from .attention.ulysses_path import head_parallel_attention
+from .config import ATTN_IMPLEMENTATION, BlockDiagCPConfig
+from .context import BlockDiagCPContext
+from .kernels import BackendUnavailable
+from .model.detect import refuse_bypassing_model, uses_blockdiag_cp
+from .model.prepare import check_context_reached, mark_attention_call, prepare_model
+from .runtime import DevicePlan, device_plan
+
+__all__ = ["ATTN_IMPLEMENTATION", "PATCHED_METHODS", "STRATEGIES", "WRAPPED_ATTR", "BlockDiagMask", "LayerCall",
+           "blockdiag_cp_attention", "blockdiag_cp_mask", "patch_transformers", "prepare_blockdiag_models",
+           "register"]
+
+
+def _model_type(module: torch.nn.Module, mask: BlockDiagMask | None) -> str:
+    if mask is not None and mask.model_type != "this model":
+        return mask.model_type
+    return getattr(getattr(module, "config", None), "model_type", None) or type(module).__name__
+
+
+def blockdiag_cp_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                           attention_mask: Any, dropout: float = 0.0, scaling: float | None = None,
+                           sliding_window: int | None = None, softcap: float | None = None,
+                           **kwargs: Any) -> tuple[torch.Tensor, None]:
+    """Attention function registered as ``"blockdiag_cp"``.
+
+    Args:
+        module: the calling attention layer.
+        query: ``[B, Hq, L, D]`` (RoPE applied).
+        key, value: ``[B, Hkv, S, D]`` (GQA heads not repeated).
+        attention_mask: a :class:`BlockDiagMask` from :func:`blockdiag_cp_mask`, ``None``, or a
+            user-made 4-D mask (then run as dense SDPA with that exact mask).
+        dropout: attention dropout (transformers passes 0 outside training).
+        scaling: softmax scale.
+        sliding_window: keys visible to a query (itself included), ``None`` = unlimited; a window in the
+            mask function (what transformers' sdpa and eager apply) takes precedence.
+        softcap: logit softcapping (flash / flex backends only).
+        **kwargs: ``cp_context``, ``cu_seq_lens_q/k``, ``max_length_q/k``, ``position_ids``, ...; any
+            other keyword that would change the attention raises ``NotImplementedError``.
+
+    Returns:
+        ``(out [B, L, Hq, D], None)``.
+    """
+    mark_attention_call(module)
+    mask = attention_mask if isinstance(attention_mask, BlockDiagMask) else None
+    model_type = _model_type(module, mask)
+    check_keywords(module, model_type, kwargs)
+    check_context_reached(module, kwargs.get("cp_context"))  # layers that drop the model's kwargs (CP > 1)
+    refuse_appended_keys(mask, query, key, model_type)  # keys that are neither the local rows nor a cache
+    if mask is not None:
+        if mask.spec.refusal is not None:
+            raise NotImplementedError(f"{model_type}: {mask.spec.refusal}; blockdiag_cp cannot serve this mask")
+        if mask.spec.bidirectional or not mask.spec.causal:
+            raise NotImplementedError(f"{model_type} builds a bidirectional (encoder) attention mask for "
+                                      f"{type(module).__name__}; blockdiag_cp implements causal attention only")
+        # The mask is what transformers' sdpa and eager apply; a layer's own is_causal flag can be stale.
+        sliding_window = mask.spec.window
+    elif not kwargs.get("is_causal", getattr(module, "is_causal", True)):
+        raise NotImplementedError(f"{model_type}: blockdiag_cp implements causal (decoder) attention only "
+                                  f"({type(module).__name__} is not causal)")
+    if kwargs.get("output_attentions"):
+        warnings.warn("blockdiag_cp does not return attention weights (output_attentions=True is ignored)",
+                      stacklevel=2)
+    if sliding_window is not None and sliding_window <= 0:
+        sliding_window = None
+    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    query, key, value, autocast_off = autocast_like_sdpa(query, key, value)
+    with autocast_off:
+        out = _attention(query, key, value, attention_mask, dropout, scale, sliding_window, softcap, kwargs)
+    return out.reshape(query.shape[0], query.shape[2], query.shape[1], value.shape[-1]), None
+
+
+@dataclass(frozen=True, eq=False)
+class LayerCall:
+    """One attention layer's call, as the strategies below receive it.
+
+    Attributes:
+        query: ``[B, Hq, L, D]``; key, value: ``[B, Hkv, S, D / Dv]`` (same dtype).
+        attention_mask: what the mask function returned (a :class:`BlockDiagMask`), ``None``, or a user tensor.
+        dropout, scale, window, softcap: the layer's attention parameters (``window``: keys visible, ``None``
+            = unlimited).
+        sinks: ``[Hq]`` attention-sink logits (gpt-oss ``s_aux``) or ``None``.
+        ctx: the step's ``cp_context`` (``None``: documents from the keyword arguments).
+        kwargs: the remaining keyword arguments transformers passed.
+    """
+
+    query: torch.Tensor
+    key: torch.Tensor
+    value: torch.Tensor
+    attention_mask: Any
+    dropout: float
+    scale: float
+    window: int | None
+    softcap: float | None
+    sinks: torch.Tensor | None
+    ctx: BlockDiagCPContext | None
+    kwargs: dict[str, Any]
+
+    @property
+    def mask(self) -> BlockDiagMask | None:
+        return self.attention_mask if isinstance(self.attention_mask, BlockDiagMask) else None
+
+    @property
+    def chunk_size(self) -> int | None:
+        return self.mask.spec.chunk_size if self.mask is not None else None
+
+
+def _attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask: Any, dropout: float,
+               scale: float, sliding_window: int | None, softcap: float | None, kwargs: dict[str, Any]) -> torch.Tensor:
+    """The body of :func:`blockdiag_cp_attention` on same-dtype inputs: ``[B*L, Hq, Dv]`` (or ``[B, L, Hq, Dv]``)."""
+    call = LayerCall(query, key, value, attention_mask, dropout, scale, sliding_window, softcap,
+                     kwargs.get("s_aux"), kwargs.get("cp_context"), kwargs)
+    return STRATEGIES[_strategy(call)](call)
+
+
+def _strategy(call: LayerCall) -> str:
+    """Which entry of :data:`STRATEGIES` serves ``call`` (host attribute reads only)."""
+    if isinstance(call.attention_mask, torch.Tensor):
+        return "user_mask"
+    ctx = call.ctx
+    if ctx is None:
+        return "keywords"
+    if not isinstance(ctx, BlockDiagCPContext):
+        raise TypeError(f"cp_context must be a BlockDiagCPContext, got {type(ctx).__name__}")
+    mask = call.mask
+    if mask is not None and (mask.q_offset or mask.kv_offset or call.key.shape[2] != call.query.shape[2]):
+        raise ValueError("cp_context cannot be combined with a KV cache; pass use_cache=False when training")
+    ctx.check_local(call.query.shape[0], call.query.shape[2])
+    if ctx.cp_size == 1:
+        return "local"
+    return "sequence" if ctx.ulysses_size == 1 else "head_parallel"
+
+
+def _run_local(call: LayerCall, plan: DevicePlan, config: BlockDiagCPConfig) -> torch.Tensor:
+    """One process holds every row: the plan's kernel over the layer's own K/V (no exchange)."""
+    query, key, value = call.query, call.key, call.value
+    spec = kernel_spec(query, key, value, dropout_p=call.dropout, window=call.window, softcap=call.softcap,
+                       sinks=call.sinks)
+    backend = resolve_backend(config, spec)
+    return attend_flat(flat_rows(query), flat_rows(key), flat_rows(value), plan.plan, backend, scale=call.scale,
+                       dropout_p=call.dropout, window=call.window, softcap=call.softcap, sinks=call.sinks,
+                       config=config, schedules=plan.schedules)
+
+
+def _user_mask(call: LayerCall) -> torch.Tensor:
+    if call.sinks is not None:
+        raise NotImplementedError("blockdiag_cp cannot apply attention sinks (s_aux) with a user-supplied "
+                                  "dense mask")
+    return _dense_user_mask(call.query, call.key, call.value, call.attention_mask, call.dropout, call.scale,
+                            call.softcap)
+
+
+def _keywords(call: LayerCall) -> torch.Tensor:
+    """No context: the documents come from the keyword arguments (cu_seq_lens / position_ids)."""
+    check_qkv(call.query, call.key, call.value)
+    # The mask (built once per forward) read the configuration; without one (a direct call) read it here.
+    config = call.mask.config if call.mask is not None else BlockDiagCPConfig()
+    return _run_local(call, plan_from_kwargs(call.query, call.key, call.mask, call.kwargs, config), config)
+
+
+def _local(call: LayerCall) -> torch.Tensor:
+    """A context with ``cp_size == 1``: the context's plan (or the chunked one), no exchange."""
+    check_qkv(call.query, call.key, call.value)
+    ctx = call.ctx
+    if call.chunk_size is None:
+        plan = device_plan(ctx, call.query.device, call.window)
+    else:
+        plan = chunked_context_plan(ctx, call.mask, call.query.device)
+    return _run_local(call, plan, ctx.config)
+
+
+def _sequence(call: LayerCall) -> torch.Tensor:
+    # Chunks only remove keys: the same exchange serves them, with a finer plan over its buffer.
+    chunked = None if call.chunk_size is None else chunked_context_plan(call.ctx, call.mask, call.query.device)
+    return sequence_attention(call.ctx, call.query, call.key, call.value, dropout_p=call.dropout, scale=call.scale,
+                              window=call.window, softcap=call.softcap, sinks=call.sinks, plan=chunked)
+
+
+def _head_parallel(call: LayerCall) -> torch.Tensor:
+    return head_parallel_attention(call.ctx, call.query, call.key, call.value, dropout_p=call.dropout,
+                                   scale=call.scale, window=call.window, softcap=call.softcap, sinks=call.sinks,
+                                   chunk_size=call.chunk_size)
+
+
+#: How a layer's call is served, by :func:`_strategy`'s answer: each returns ``[B*L, Hq, Dv]`` (or
+#: ``[B, L, Hq, Dv]``). A new layout adds one entry and one function in :mod:`hf_blockdiag_cp.attention`.
+STRATEGIES: dict[str, Callable[[LayerCall], torch.Tensor]] = {
+    "user_mask": _user_mask,  # a caller-built 4-D mask: dense SDPA with that exact mask
+    "keywords": _keywords,  # no cp_context: plan from cu_seq_lens / position_ids
+    "local": _local,  # cp_context with cp_size == 1
+    "sequence": _sequence,  # cp_size > 1, ulysses_size == 1 (attention/cp.py)
+    "head_parallel": _head_parallel,  # cp_size > 1, ulysses_size > 1 (attention/ulysses_path.py)
+}
+
+
+def _dense_user_mask(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor, dropout: float,
+                     scale: float, softcap: float | None) -> torch.Tensor:
+    """A caller-built 4-D mask is honoured exactly with dense SDPA (no planning possible)."""
+    if softcap is not None:
+        raise BackendUnavailable("blockdiag_cp cannot apply softcap with a user-supplied dense mask")
+    if mask.dim() != 4:
+        raise ValueError(f"attention_mask tensors must be 4-D [B, 1, L, S], got shape {tuple(mask.shape)}")
+    out = torch.nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=mask[..., : key.shape[2]],
+                                                           dropout_p=dropout, scale=scale,
+                                                           enable_gqa=query.shape[1] != key.shape[1])
+    return out.transpose(1, 2)
+
+
+def register() -> None:
+    """Register ``"blockdiag_cp"`` with transformers' attention and mask interfaces and have every model that
+    uses it prepared (:func:`hf_blockdiag_cp.model.prepare_model`); idempotent."""
+    AttentionInterface.register(ATTN_IMPLEMENTATION, blockdiag_cp_attention)
+    AttentionMaskInterface.register(ATTN_IMPLEMENTATION, blockdiag_cp_mask)
+    patch_transformers()
+
+
+WRAPPED_ATTR = "_blockdiag_cp_wrapped"
+
+
+def prepare_blockdiag_models(module: torch.nn.Module) -> None:
+    """Prepare the outermost models in ``module`` (itself included) that use ``blockdiag_cp``."""
+    if isinstance(module, PreTrainedModel) and uses_blockdiag_cp(module):
+        prepare_model(module)
+        return
+    for child in module.children():
+        prepare_blockdiag_models(child)
+
+
+def _wrap_post_init(original: Callable) -> Callable:
+    @functools.wraps(original)
+    def post_init(self: PreTrainedModel, *args: Any, **kwargs: Any) -> Any:
+        out = original(self, *args, **kwargs)
+        if uses_blockdiag_cp(self):
+            prepare_model(self)
+        return out
+    return post_init
+
+
+def _wrap_set_attn_implementation(original: Callable) -> Callable:
+    @functools.wraps(original)
+    def set_attn_implementation(self: PreTrainedModel, *args: Any, **kwargs: Any) -> Any:
+        out = original(self, *args, **kwargs)
+        prepare_blockdiag_models(self)
+        return out
+    return set_attn_implementation
+
+
+def _wrap_check_and_adjust(original: Callable) -> Callable:
+    @functools.wraps(original)
+    def check_and_adjust(self: PreTrainedModel, attn_implementation: Any, *args: Any, **kwargs: Any) -> Any:
+        if attn_implementation == ATTN_IMPLEMENTATION:
+            refuse_bypassing_model(self)
+        return original(self, attn_implementation, *args, **kwargs)
+    return check_and_adjust
+
+
+#: ``PreTrainedModel`` method name -> the function that wraps it (transformers 5.x).
+PATCHED_METHODS: dict[str, Callable[[Callable], Callable]] = {
+    "post_init": _wrap_post_init,
+    "set_attn_implementation": _wrap_set_attn_implementation,
+    "_check_and_adjust_attn_implementation": _wrap_check_and_adjust,
+}
+
+
+def patch_transformers() -> None:
+    """Wrap the :data:`PATCHED_METHODS` of ``PreTrainedModel`` (idempotent)."""
+    for name, wrap in PATCHED_METHODS.items():
+        original = getattr(PreTrainedModel, name, None)
+        if original is None:
+            raise ImportError(f"transformers.PreTrainedModel has no {name} in this transformers version: "
+                              "hf_blockdiag_cp cannot install its model preparation; use a transformers version "
+                              "within the bounds in hf-blockdiag-cp's pyproject.toml")
+        if getattr(original, WRAPPED_ATTR, False):
+            continue
+        wrapper = wrap(original)
+        setattr(wrapper, WRAPPED_ATTR, True)
+        setattr(PreTrainedModel, name, wrapper)
