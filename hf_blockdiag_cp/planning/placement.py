@@ -173,7 +173,42 @@ def piece_work(start: int, end: int, windows: Sequence[int | None] = (None,)) ->
 
 def rank_work(doc_ids_row: torch.Tensor, placement: Placement, windows: Sequence[int | None] = (None,)
               ) -> torch.Tensor:
-    """``[P]`` float64 causal pairs each rank's queries attend (the work model of :func:`balanced_placement`)."""
+    """``[P]`` float64 causal pairs each rank's queries attend (the work model of :func:`balanced_placement`).
+
+    Computed on runs (each placement run cut by the documents: closed-form sums in exact integers) when the
+    number of windows is a power of two, where that equals the per-token float sum bit for bit; else per token.
+    """
+    count = len(windows)
+    if count & (count - 1):
+        return _rank_work_tokens(doc_ids_row, placement, windows)
+    row = doc_ids_row.to(torch.int64).reshape(-1)
+    runs = placement.runs
+    ids = row.numpy()
+    full_len = ids.size
+    fresh = np.flatnonzero(ids[1:] != ids[:-1]) + 1 if full_len else np.zeros(0, np.int64)
+    doc_start = np.concatenate([[0], fresh]).astype(np.int64) if full_len else fresh.astype(np.int64)
+    cuts = np.union1d(runs.start, doc_start).astype(np.int64)
+    cuts = cuts[cuts < full_len]
+    ends = np.append(cuts[1:], full_len)
+    real = ids[cuts] != 0 if cuts.size else np.zeros(0, bool)
+    first = doc_start[np.searchsorted(doc_start, cuts, side="right") - 1] if cuts.size else cuts
+    lo, hi = (cuts - first)[real], (ends - first)[real]  # in-document offsets [lo, hi) of each piece
+    owner = runs.rank[np.searchsorted(runs.start, cuts, side="right") - 1][real] if cuts.size else cuts
+    pairs = np.zeros(lo.size, dtype=np.int64)
+    for window in windows:
+        if window is None:
+            pairs += (hi * (hi + 1) - lo * (lo + 1)) // 2
+        else:
+            mid = np.minimum(np.maximum(lo, window), hi)
+            pairs += (mid * (mid + 1) - lo * (lo + 1)) // 2 + (hi - mid) * window
+    total = np.zeros(placement.cp_size, dtype=np.int64)
+    np.add.at(total, owner, pairs)
+    return torch.from_numpy(total.astype(np.float64) / count)
+
+
+def _rank_work_tokens(doc_ids_row: torch.Tensor, placement: Placement, windows: Sequence[int | None] = (None,)
+                      ) -> torch.Tensor:
+    """:func:`rank_work` token by token (any number of windows)."""
     row = doc_ids_row.to(torch.int64)
     offset = (torch.arange(row.numel()) - run_starts(row)).to(torch.float64)
     per_token = torch.zeros_like(offset)

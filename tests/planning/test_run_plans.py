@@ -191,3 +191,16 @@ def test_balanced_placement_equals_the_reference_on_a_long_row(cp_size):
         slow = reference_balanced_placement(row, cp_size, windows=windows)
         assert torch.equal(fast.index, slow.index)
         _check_exchange(row, fast, windows[-1], "auto")
+
+
+@settings(max_examples=150, deadline=None)
+@given(rows(), st.sampled_from(PLACEMENT_KINDS),
+       st.sampled_from([(None,), (3,), (None, 2), (1, 5), (None, 2, 3, 7), (None, 3, 4)]))
+def test_rank_work_on_runs_equals_the_token_sum(case, kind, windows):
+    """The cost model's per-rank work (layout choice, balance): closed forms on runs = the per-token sum, bit for bit
+    (three windows take the token path itself)."""
+    from hf_blockdiag_cp.planning.placement import _rank_work_tokens, rank_work
+
+    row, cp_size = case
+    placement = make_placement(row, cp_size, kind, windows=windows)
+    assert torch.equal(rank_work(row, placement, windows), _rank_work_tokens(row, placement, windows))
