@@ -18,7 +18,7 @@ import argparse
 import pickle
 import statistics
 import time
-from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -34,8 +34,9 @@ class _NoGroups:
         return None, None
 
 
-@dataclass
-class Row:
+class Row(NamedTuple):
+    """One measured configuration (a NamedTuple: the module also loads outside sys.modules, in tests)."""
+
     seq_len: int
     cp_size: int
     placement: str
