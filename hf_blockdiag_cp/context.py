@@ -271,7 +271,10 @@ def _shard_checksums(placement: Placement, shape: torch.Size, input_ids: Any,
     contiguous = runs.start.size == placement.cp_size and bool((runs.rank == np.arange(placement.cp_size)).all())
 
     def shards(full: torch.Tensor) -> torch.Tensor:
-        return full.view(full.shape[0], placement.cp_size, -1) if contiguous else full[:, placement.index]
+        if contiguous:
+            return full.view(full.shape[0], placement.cp_size, -1)
+        # index_select on the flat table: a plain gather, several times faster than advanced indexing.
+        return full.index_select(1, placement.index.reshape(-1)).view(full.shape[0], placement.cp_size, -1)
 
     sums = [[-1] * placement.cp_size if full is None else shard_checksums(shards(full)) for full in (ids, positions)]
     return tuple(zip(*sums))
