@@ -176,6 +176,7 @@ class BlockDiagCPContext:
         def plans(window: int | None) -> tuple[VarlenPlan, ExchangePlan]:
             exchange = plan_exchange(ids, cp_size=cp_size, config=config, placement=placement, window=window)
             positions = exchange.for_rank(cp_rank).buffer_positions
+            exchange.for_rank(cp_rank).send_index  # expanded here, on the host, not in the first layer
             return build_varlen_plan(ids, local_len=local_len, pieces=pieces, kv_positions=positions, window=window,
                                      validate=config.validate), exchange
 
@@ -328,6 +329,7 @@ def _layout_context(cls: type[BlockDiagCPContext], layout: LayoutPlan, ids: torc
         exchange = layout.exchange(window) if window in layout.windows else plan_exchange(
             ids, cp_size=c, config=config, placement=group_placement, window=window)
         positions = exchange.for_rank(group).buffer_positions
+        exchange.for_rank(group).send_index  # expanded here, on the host, not in the first layer
         return build_varlen_plan(ids, local_len=u * common["local_len"], pieces=pieces, kv_positions=positions,
                                  window=window, validate=config.validate), exchange
 

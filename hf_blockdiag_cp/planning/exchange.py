@@ -82,12 +82,12 @@ def needed_positions(doc_ids_row: torch.Tensor, positions: torch.Tensor, window:
 
 
 def _expand_runs(runs: torch.Tensor) -> torch.Tensor:
-    """``[sum(n)]`` int64: ``cat([arange(a, a + n) for a, n in runs])`` for ``runs [k, 2]`` without a Python loop."""
-    if runs.numel() == 0:
-        return torch.zeros(0, dtype=torch.int64)
-    starts, lengths = runs[:, 0], runs[:, 1]
-    offsets = torch.cumsum(lengths, 0) - lengths
-    return torch.repeat_interleave(starts - offsets, lengths) + torch.arange(int(lengths.sum()))
+    """``[sum(n)]`` int64: ``cat([arange(a, a + n) for a, n in runs])`` for ``runs [k, 2]`` without a Python loop
+    (in numpy: no tensor is read back to the host, should a layer be the first to ask)."""
+    table = runs.numpy()
+    starts, lengths = table[:, 0], table[:, 1]
+    offsets = np.cumsum(lengths) - lengths
+    return torch.from_numpy(np.repeat(starts - offsets, lengths) + np.arange(int(lengths.sum()), dtype=np.int64))
 
 
 @dataclass(frozen=True, eq=False)
