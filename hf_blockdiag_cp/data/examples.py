@@ -10,6 +10,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
 __all__ = ["Document", "read_example", "token_tensor"]
@@ -43,21 +44,42 @@ class Document:
 
 def token_tensor(value: Any, *, index: int | None, field: str) -> torch.Tensor:
     """``value`` (list of ints, 1-D tensor or array) as a CPU int64 ``[n]`` tensor, or a ``ValueError``
-    naming ``example {index}`` (``batch`` when ``index`` is None) and ``field``."""
+    naming ``example {index}`` (``batch`` when ``index`` is None) and ``field``.
+
+    Checked by dtype and shape, never by a Python loop per token: a list of ints becomes one int64 array in
+    one C-level pass (a bool among them is refused), an int64 CPU tensor or writeable int64 array is used
+    without a copy; values are then checked by ``min`` / ``max`` where the caller needs a range.
+    """
     where = f"example {index}: {field}" if index is not None else f"batch: {field}"
     if isinstance(value, (str, bytes)):
         raise ValueError(f"{where} must be a sequence of ints, got {type(value).__name__} (tokenize first)")
     if isinstance(value, torch.Tensor):
         tensor = value.detach()
     else:
-        if isinstance(value, (list, tuple)) and any(isinstance(v, bool) for v in value):
-            raise ValueError(f"{where} must contain ints, found a bool")
+        if isinstance(value, (list, tuple)):
+            # One C-level pass over the element types (not a Python loop): a bool among ints is refused, and a
+            # list of plain ints converts directly (np.fromiter; ints beyond int64 raise OverflowError).
+            types = set(map(type, value))
+            if bool in types:
+                raise ValueError(f"{where} must contain ints, found a bool")
+            if types == {int}:
+                try:
+                    return torch.from_numpy(np.fromiter(value, dtype=np.int64, count=len(value)))
+                except OverflowError as err:
+                    raise ValueError(f"{where} must be a sequence of ints within int64: {err}") from err
         try:
-            tensor = torch.as_tensor(value)
-        except (TypeError, ValueError, RuntimeError) as err:
+            array = np.asarray(value)
+        except (TypeError, ValueError, OverflowError) as err:
             raise ValueError(f"{where} must be a sequence of ints: {err}") from err
+        if array.dtype == object or array.dtype.kind not in "biufc":
+            kinds = sorted({type(v).__name__ for v in array.reshape(-1)[:8]}) if array.dtype == object else []
+            raise ValueError(f"{where} must be a sequence of ints, got dtype {array.dtype}"
+                             + (f" (values of type {', '.join(kinds)}; ints beyond int64?)" if kinds else ""))
+        if array.dtype == np.uint64 and array.size and int(array.max()) >= 2**63:
+            raise ValueError(f"{where} must be < 2**63 (int64), found {int(array.max())}")
+        tensor = torch.from_numpy(array if array.flags.writeable else array.copy())
     if tensor.numel() == 0 and tensor.dim() == 1:
-        return torch.zeros(0, dtype=torch.int64)  # [] reads as float32; an empty document has no dtype to check
+        return torch.zeros(0, dtype=torch.int64)  # [] reads as float; an empty document has no dtype to check
     if tensor.dtype == torch.bool or tensor.dtype.is_floating_point or tensor.dtype.is_complex:
         raise ValueError(f"{where} must contain integers, got dtype {tensor.dtype}")
     if tensor.dim() != 1:
@@ -88,7 +110,8 @@ def read_example(example: Any, *, index: int, label_pad_id: int = -100) -> Docum
         raise ValueError(f"example {index}: input_ids[{pos}]={int(input_ids[pos])} is negative; token ids must be >= 0")
     labels_value = example.get("labels")
     if labels_value is None:
-        return Document(input_ids, input_ids.clone(), 0, index)
+        # The same tensor: documents are read-only, and the row is laid out by copying them (no clone per token).
+        return Document(input_ids, input_ids, 0, index)
     labels = token_tensor(labels_value, index=index, field="labels")
     if labels.numel() != input_ids.numel():
         raise ValueError(f"example {index}: labels has length {labels.numel()} but input_ids has length "

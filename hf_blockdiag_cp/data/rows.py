@@ -15,6 +15,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from .examples import Document
@@ -79,26 +80,37 @@ def assemble_rows(rows: Sequence[Sequence[Document]], length: int, *, pad_token_
         pad_token_id / label_pad_id: fill values for padding input ids / ignored labels.
     """
     batch = len(rows)
-    input_ids = torch.full((batch, length), pad_token_id, dtype=torch.int64)
-    labels = torch.full((batch, length), label_pad_id, dtype=torch.int64)
-    position_ids = torch.zeros((batch, length), dtype=torch.int64)
-    doc_ids = torch.zeros((batch, length), dtype=torch.int64)
+    if batch == 0:
+        empty = torch.zeros((0, length), dtype=torch.int64)
+        return FullRows(empty, empty, empty, empty, empty, label_pad_id)
+    # Each row is written once, by concatenation (documents, then the padding tail): a handful of passes over
+    # the row, not a fill followed by copies.
+    columns: dict[str, list[torch.Tensor]] = {"input_ids": [], "labels": [], "position_ids": [], "doc_ids": []}
     for b, docs in enumerate(rows):
         lens = torch.tensor([len(d) for d in docs], dtype=torch.int64)
         total = int(lens.sum())
         if total > length:
             raise ValueError(f"row {b} holds {total} tokens, more than the row length {length}")
-        if total == 0:
-            continue
-        input_ids[b, :total] = torch.cat([d.input_ids for d in docs])
-        row_labels = torch.cat([d.labels for d in docs])
-        ids = torch.repeat_interleave(torch.arange(1, len(docs) + 1), lens)
+        tail = length - total
         starts = torch.cumsum(lens, 0) - lens
-        # Position of token t = t - (row start of its document) + (position of the document's first token).
-        offsets = torch.tensor([d.position_start for d in docs], dtype=torch.int64) - starts
-        position_ids[b, :total] = torch.arange(total) + torch.repeat_interleave(offsets, lens)
-        doc_ids[b, :total] = ids
+        row_labels = torch.cat([*(d.labels for d in docs), torch.full((tail,), -100, dtype=torch.int64)])
         # No token of the row predicts a document's first token (its predecessor is another document).
         row_labels[starts[lens > 0]] = -100
-        labels[b, :total] = row_labels.masked_fill(row_labels == -100, label_pad_id)
+        if label_pad_id != -100:
+            row_labels.masked_fill_(row_labels == -100, label_pad_id)
+        # Position of token t = t - (row start of its document) + (position of the document's first token).
+        offsets = torch.tensor([d.position_start for d in docs], dtype=torch.int64) - starts
+        # numpy's repeat: several times faster than torch.repeat_interleave on long rows.
+        lens_np = lens.numpy()
+        positions = torch.from_numpy(np.repeat(offsets.numpy(), lens_np))
+        positions = torch.cat([positions.add_(torch.arange(total, dtype=torch.int64)),
+                               torch.zeros(tail, dtype=torch.int64)])
+        columns["input_ids"].append(torch.cat([*(d.input_ids for d in docs),
+                                               torch.full((tail,), pad_token_id, dtype=torch.int64)]))
+        columns["labels"].append(row_labels)
+        columns["position_ids"].append(positions)
+        ids = np.append(np.arange(1, len(docs) + 1, dtype=np.int64), 0)  # documents 1..n, then padding
+        columns["doc_ids"].append(torch.from_numpy(np.repeat(ids, np.append(lens_np, tail))))
+    input_ids, labels, position_ids, doc_ids = (torch.stack(columns[k]) if batch > 1 else columns[k][0][None]
+                                                for k in ("input_ids", "labels", "position_ids", "doc_ids"))
     return FullRows(input_ids, labels, position_ids, doc_ids, shift_row_labels(labels, label_pad_id), label_pad_id)

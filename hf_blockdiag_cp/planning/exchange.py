@@ -26,7 +26,9 @@ from __future__ import annotations
 import enum
 import warnings
 from dataclasses import dataclass
+from functools import cached_property
 
+import numpy as np
 import torch
 
 from ..config import BlockDiagCPConfig
@@ -79,9 +81,22 @@ def needed_positions(doc_ids_row: torch.Tensor, positions: torch.Tensor, window:
         int(lengths.sum()))
 
 
+def _expand_runs(runs: torch.Tensor) -> torch.Tensor:
+    """``[sum(n)]`` int64: ``cat([arange(a, a + n) for a, n in runs])`` for ``runs [k, 2]`` without a Python loop
+    (in numpy: no tensor is read back to the host, should a layer be the first to ask)."""
+    table = runs.numpy()
+    starts, lengths = table[:, 0], table[:, 1]
+    offsets = np.cumsum(lengths) - lengths
+    return torch.from_numpy(np.repeat(starts - offsets, lengths) + np.arange(int(lengths.sum()), dtype=np.int64))
+
+
 @dataclass(frozen=True, eq=False)
 class RankTransfer:
     """One rank's share of an :class:`ExchangePlan`: every number its exchange needs (host side).
+
+    The plan holds every rank's transfer, but only as runs (``[k, 2]`` rows of ``(start, length)``): the
+    per-row tensors :attr:`send_index` and :attr:`buffer_positions` are expanded on first use, so a rank
+    pays per-token work only for its own transfer.
 
     Attributes:
         rank: the rank these numbers are for.
@@ -89,10 +104,13 @@ class RankTransfer:
         send_splits / recv_splits: rows sent to / received from each rank (``halo`` / ``a2a``).
         recv_rows: rows received per layer and placed before the local rows (all-gather:
             ``(P - 1) * L``).
+        need: exact number of remote rows the rank's queries need (whatever the strategy moves).
+        send_runs: ``[k, 2]`` int64 ``(first local row, rows)`` sent, grouped by destination.
+        recv_runs: ``[m, 2]`` int64 ``(first global position, rows)`` received, grouped by source.
+        placement: the plan's placement (:attr:`own_positions`: this rank's ``[L]`` positions in it).
         send_index: ``[sum(send_splits)]`` int64 local rows sent, grouped by destination (CPU).
         buffer_positions: ``[R + L]`` (all-gather ``[P * L]``) int64 global position of every row of
             the rank's K/V buffer after the exchange.
-        need: exact number of remote rows the rank's queries need (whatever the strategy moves).
     """
 
     rank: int
@@ -100,13 +118,31 @@ class RankTransfer:
     send_splits: tuple[int, ...]
     recv_splits: tuple[int, ...]
     recv_rows: int
-    send_index: torch.Tensor
-    buffer_positions: torch.Tensor
     need: int
+    send_runs: torch.Tensor
+    recv_runs: torch.Tensor
+    placement: Placement
+
+    @property
+    def own_positions(self) -> torch.Tensor:
+        """``[L]`` global positions of this rank's own rows (a view of the placement's table)."""
+        return self.placement.index[self.rank]
 
     @property
     def rows_sent(self) -> int:
         return sum(self.send_splits)
+
+    @cached_property
+    def send_index(self) -> torch.Tensor:
+        return _expand_runs(self.send_runs)
+
+    @cached_property
+    def buffer_positions(self) -> torch.Tensor:
+        # A tensor of its own (not a view of the placement's [P, L] table): a pickled context then carries
+        # this rank's rows, not the whole table once more.
+        if self.strategy == Strategy.ALLGATHER:
+            return self.placement.index.flatten().clone()
+        return torch.cat([_expand_runs(self.recv_runs), self.own_positions])
 
 
 @dataclass(frozen=True, eq=False)
@@ -190,19 +226,10 @@ def plan_exchange(doc_ids: torch.Tensor, *, cp_size: int, config: BlockDiagCPCon
         raise PlanError(f"the placement is for P={placement.cp_size}, S={placement.full_len}, not P={cp_size}, "
                         f"S={full_len}")
     local_len = placement.local_len
-    owner, local_row = placement.owner()
-    # recv[d][s]: sorted global positions rank d needs from rank s.
-    recv: list[list[torch.Tensor]] = []
-    for dst in range(cp_size):
-        need = needed_positions(row, placement.index[dst], window)
-        remote = need[owner[need] != dst]
-        recv.append([remote[owner[remote] == src] for src in range(cp_size)])
-    counts = [[int(recv[d][s].numel()) for s in range(cp_size)] for d in range(cp_size)]
-    moved = any(counts[d][s] for d in range(cp_size) for s in range(cp_size))
-    halo_valid = all(
-        not counts[d][s] or (s == d - 1 and torch.equal(local_row[recv[d][s]],
-                                                        torch.arange(local_len - counts[d][s], local_len)))
-        for d in range(cp_size) for s in range(cp_size))
+    moves = _remote_runs(row, placement, window)
+    counts = moves.counts
+    moved = bool(counts.any())
+    halo_valid = moves.halo_valid
     requested = config.kv_exchange
     if requested == "auto":
         strategy = Strategy.NONE if not moved else (Strategy.HALO if halo_valid else Strategy.A2A)
@@ -212,29 +239,121 @@ def plan_exchange(doc_ids: torch.Tensor, *, cp_size: int, config: BlockDiagCPCon
         strategy = Strategy.A2A
     else:
         strategy = Strategy(requested)
+    need = counts.sum(axis=1).tolist()
+    no_runs = torch.zeros((0, 2), dtype=torch.int64)
     transfers = []
-    for rank in range(cp_size):
-        need = sum(counts[rank])
-        own = placement.index[rank]
-        if strategy == Strategy.NONE:
-            zeros = (0,) * cp_size
-            transfers.append(RankTransfer(rank, strategy, zeros, zeros, 0, torch.zeros(0, dtype=torch.int64), own,
-                                          need))
-        elif strategy == Strategy.ALLGATHER:
-            zeros = (0,) * cp_size
-            transfers.append(RankTransfer(rank, strategy, zeros, zeros, (cp_size - 1) * local_len,
-                                          torch.zeros(0, dtype=torch.int64), placement.index.flatten(), need))
-        else:
-            sent = [recv[dst][rank] for dst in range(cp_size)]
-            received = torch.cat(recv[rank])
-            transfers.append(RankTransfer(
-                rank, strategy,
-                send_splits=tuple(int(t.numel()) for t in sent),
-                recv_splits=tuple(counts[rank]),
-                recv_rows=need,
-                send_index=local_row[torch.cat(sent)],
-                buffer_positions=torch.cat([received, own]),
-                need=need,
-            ))
+    if strategy in (Strategy.NONE, Strategy.ALLGATHER):
+        zeros = (0,) * cp_size
+        received = (cp_size - 1) * local_len if strategy == Strategy.ALLGATHER else 0
+        for rank in range(cp_size):
+            transfers.append(RankTransfer(rank, strategy, zeros, zeros, received, need[rank], no_runs, no_runs,
+                                          placement))
+    else:
+        recv_splits = counts.tolist()
+        send_splits = counts.T.tolist()
+        for rank in range(cp_size):
+            transfers.append(RankTransfer(rank, strategy, tuple(send_splits[rank]), tuple(recv_splits[rank]),
+                                          need[rank], need[rank], moves.send_runs(rank), moves.recv_runs(rank),
+                                          placement))
     return ExchangePlan(placement=placement, window=window, strategy=strategy, halo_valid=halo_valid,
                         transfers=tuple(transfers))
+
+
+@dataclass(frozen=True, eq=False)
+class _Moves:
+    """Every K/V row that moves, as runs ``(start, length, src, dst, src local row)`` (numpy ``[k]`` int64
+    arrays), sorted by destination, then source, then position; ``counts [P, P]``: rows ``dst`` needs from
+    ``src``."""
+
+    start: np.ndarray
+    length: np.ndarray
+    src: np.ndarray
+    dst: np.ndarray
+    local: np.ndarray
+    counts: np.ndarray
+    halo_valid: bool
+
+    def recv_runs(self, rank: int) -> torch.Tensor:
+        """``[m, 2]`` (global start, rows) ``rank`` receives, grouped by source, positions ascending."""
+        lo, hi = np.searchsorted(self.dst, [rank, rank + 1])
+        return torch.from_numpy(np.stack([self.start[lo:hi], self.length[lo:hi]], axis=1).reshape(-1, 2))
+
+    @cached_property
+    def _by_src(self) -> np.ndarray:
+        return np.lexsort((self.start, self.dst, self.src))
+
+    def send_runs(self, rank: int) -> torch.Tensor:
+        """``[k, 2]`` (first local row, rows) ``rank`` sends, grouped by destination, positions ascending."""
+        order = self._by_src
+        lo, hi = np.searchsorted(self.src[order], [rank, rank + 1])
+        pick = order[lo:hi]
+        return torch.from_numpy(np.stack([self.local[pick], self.length[pick]], axis=1).reshape(-1, 2))
+
+
+def _document_runs(row: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
+    """``(start [D], end [D])`` int64 numpy of the documents (maximal runs of one non-zero id) of ``row [S]``."""
+    ids = row.numpy()
+    if ids.size == 0:
+        return np.zeros(0, np.int64), np.zeros(0, np.int64)
+    fresh = np.flatnonzero(ids[1:] != ids[:-1]) + 1
+    starts = np.concatenate([[0], fresh]).astype(np.int64)
+    ends = np.append(starts[1:], ids.size).astype(np.int64)
+    keep = ids[starts] != 0
+    return starts[keep], ends[keep]
+
+
+def _remote_runs(row: torch.Tensor, placement: Placement, window: int | None) -> _Moves:
+    """What every rank needs from every other rank, computed on runs (document pieces), not tokens.
+
+    A rank's queries are the pieces where its placement runs meet documents; a query piece ``[a, b)`` of the
+    document starting at ``ds`` needs keys ``[max(ds, a - window + 1), b)`` (``ds`` without a window), the
+    union of its queries' needs. The union of a rank's intervals, cut by the placement runs of other ranks,
+    is what it receives. Cost: ``O(runs + documents)`` per rank pair touched, no pass over the row per rank.
+    """
+    runs = placement.runs
+    cp_size, local_len, full_len = placement.cp_size, placement.local_len, placement.full_len
+    doc_start, doc_end = _document_runs(row)
+    # Elementary pieces: cut the row at every run start and every document boundary.
+    cuts = np.union1d(runs.start, np.concatenate([doc_start, doc_end]))
+    cuts = cuts[cuts < full_len].astype(np.int64)
+    piece_end = np.append(cuts[1:], full_len)
+    doc = np.searchsorted(doc_start, cuts, side="right") - 1
+    real = (doc >= 0) & (cuts < doc_end[np.maximum(doc, 0)] if doc_end.size else np.zeros(cuts.size, bool))
+    a, b, doc = cuts[real], piece_end[real], doc[real]
+    rank = runs.rank[np.searchsorted(runs.start, a, side="right") - 1]
+    low = doc_start[doc] if window is None else np.maximum(doc_start[doc], a - window + 1)
+    # Per rank, queries ascending: lows ascend too (within a document with the query, across documents by
+    # the document order), so a new interval of the union starts where its low passes the previous end.
+    order = np.lexsort((a, rank))
+    rank, low, high = rank[order], low[order], b[order]
+    fresh = np.ones(rank.size, dtype=bool)
+    fresh[1:] = (rank[1:] != rank[:-1]) | (low[1:] > high[:-1])
+    first = np.flatnonzero(fresh)
+    last = np.append(first[1:], rank.size)[:first.size].astype(np.int64) - 1
+    u_rank, u_low, u_high = rank[first], low[first], high[last]
+    # Cut each union interval by the placement runs it overlaps.
+    k0 = np.searchsorted(runs.start, u_low, side="right") - 1
+    k1 = np.searchsorted(runs.start, u_high, side="left")
+    span = k1 - k0
+    which = np.repeat(np.arange(u_low.size), span)
+    run = k0[which] + (np.arange(which.size) - np.repeat(np.cumsum(span) - span, span))
+    start = np.maximum(u_low[which], runs.start[run])
+    end = np.minimum(u_high[which], runs.start[run] + runs.length[run])
+    src, dst = runs.rank[run], u_rank[which]
+    local = runs.local_start[run] + start - runs.start[run]
+    remote = src != dst
+    start, length, src, dst, local = start[remote], (end - start)[remote], src[remote], dst[remote], local[remote]
+    order = np.lexsort((start, src, dst))
+    start, length, src, dst, local = start[order], length[order], src[order], dst[order], local[order]
+    pair = dst * cp_size + src
+    counts = np.bincount(pair, weights=length, minlength=cp_size * cp_size).astype(np.int64).reshape(cp_size,
+                                                                                                     cp_size)
+    # Halo: every transfer is the sender's last rows, to the next rank. Positions ascend with local rows,
+    # so the rows received from a sender are its last ones iff the lowest of them is row L - count.
+    halo_valid = True
+    if pair.size:
+        group = np.flatnonzero(np.append(True, pair[1:] != pair[:-1]))
+        g_dst, g_src = dst[group], src[group]
+        lowest = np.minimum.reduceat(local, group)
+        halo_valid = bool(np.all((g_src == g_dst - 1) & (lowest == local_len - counts[g_dst, g_src])))
+    return _Moves(start, length, src, dst, local, counts, halo_valid)

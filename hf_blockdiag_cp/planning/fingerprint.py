@@ -5,18 +5,26 @@ from __future__ import annotations
 import hashlib
 import struct
 from collections.abc import Sequence
+from typing import Any
 
+import numpy as np
 import torch
 
 from ..config import KV_EXCHANGES, PLACEMENTS, BlockDiagCPConfig, backend_choices
 
-__all__ = ["PLAN_FIELDS", "PlanFingerprint", "describe_plan_field", "fingerprint", "plan_fingerprint", "shard_checksum"]
+__all__ = ["PLAN_FIELDS", "PlanFingerprint", "checksum_weights", "describe_plan_field", "fingerprint",
+           "plan_fingerprint", "shard_checksum", "shard_checksums"]
 
 
-def fingerprint(*parts: bytes) -> int:
-    """A 62-bit hash of ``parts`` (fits an int64 tensor on every collective backend)."""
-    digest = hashlib.blake2b(b"".join(parts), digest_size=8).digest()
-    return int.from_bytes(digest, "little") >> 2
+def fingerprint(*parts: bytes | memoryview | np.ndarray) -> int:
+    """A 62-bit hash of the concatenated ``parts`` (fits an int64 tensor on every collective backend).
+
+    Parts may be any C-contiguous buffer (a numpy view of a tensor): they are hashed in place, not copied.
+    """
+    digest = hashlib.blake2b(digest_size=8)
+    for part in parts:
+        digest.update(part)
+    return int.from_bytes(digest.digest(), "little") >> 2
 
 
 #: What a rank's plan is made of, in the order the rank agreement exchanges it. The first five are the
@@ -55,7 +63,8 @@ def plan_fingerprint(config: BlockDiagCPConfig, *, cp_size: int, placement_kind:
     Args:
         config: the context's config (backend and ``kv_exchange`` requests, ``balance_tolerance``).
         cp_size: the context's CP size.
-        placement_kind / placement_rows: the placement used and its ``[P, L]`` position table.
+        placement_kind / placement_rows: the placement used: the ``Placement`` (hashed by its runs) or its
+            ``[P, L]`` position table.
         windows / strategies: the planned sliding windows and each exchange's resolved strategy.
         ulysses_size / layout: the step's head-parallel size ``u`` and, when ``u > 1``, the bytes of its
             :meth:`~hf_blockdiag_cp.planning.layout.LayoutPlan.key` (``None``: 0, today's layout).
@@ -73,12 +82,22 @@ def plan_fingerprint(config: BlockDiagCPConfig, *, cp_size: int, placement_kind:
         "kv_exchange": KV_EXCHANGES.index(config.kv_exchange),
         "backend": backend_choices().index(config.backend),
         "sliding_windows": fingerprint(repr(tuple(windows)).encode()),
-        "placement_rows": fingerprint(placement_rows.to(torch.int64).contiguous().numpy().tobytes()),
+        "placement_rows": _placement_hash(placement_rows),
         "exchange_strategies": fingerprint(repr(tuple(strategies)).encode()),
         "ulysses_size": ulysses_size,
         "layout": 0 if layout is None else fingerprint(layout),
         "ulysses_groups": ulysses_groups,
     })
+
+
+def _placement_hash(placement_rows: Any) -> int:
+    """Hash of a placement: of its runs when it is a :class:`~hf_blockdiag_cp.planning.placement.Placement` (the
+    runs are the table, in ``O(runs)`` bytes), else of the ``[P, L]`` table's bytes."""
+    runs = getattr(placement_rows, "runs", None)
+    if runs is not None:
+        shape = repr(tuple(placement_rows.index.shape)).encode()
+        return fingerprint(b"runs", shape, runs.start, runs.length, runs.rank, runs.local_start)
+    return fingerprint(placement_rows.to(torch.int64).contiguous().numpy())
 
 
 def describe_plan_field(name: str, value: int) -> str:
@@ -99,15 +118,42 @@ def describe_plan_field(name: str, value: int) -> str:
 _CHECKSUM_MASK = (1 << 62) - 1
 
 
+#: Odd multiplier of the checksum's position weights (Knuth's multiplicative hash): ``i -> i * C mod 2**32`` is a
+#: bijection of ``[0, 2**32)``, so no two positions of a row shorter than ``2**32`` share a weight.
+_WEIGHT_MULTIPLIER = 2654435761
+_WEIGHT_MASK = (1 << 32) - 1
+
+
+def checksum_weights(length: int, device: torch.device | str | None = None) -> torch.Tensor:
+    """``[length]`` int64 position weights of :func:`shard_checksum`: ``(i * 2654435761 mod 2**32) + 1``.
+
+    A pure function of the position (every rank computes the same ones), distinct for every position below
+    ``2**32`` (two tokens swapped anywhere in a shard change the sum), in ``[1, 2**32]``.
+    """
+    index = torch.arange(length, device=device, dtype=torch.int64)
+    # The product may pass 2**63 for i >= 2**32 / 0.62; its low 32 bits are exact whatever the wrap.
+    return index.mul_(_WEIGHT_MULTIPLIER).bitwise_and_(_WEIGHT_MASK).add_(1)
+
+
 def shard_checksum(values: torch.Tensor) -> torch.Tensor:
     """A position-weighted int64 checksum of an integer tensor, computed where ``values`` lives.
 
     The collator's host copy of a rank's shard and the tensor a forward actually receives (on its device)
     give the same value, so ranks can compare them without a host read of the batch. It is a checksum
-    against edits and mix-ups, not a hash: ``sum((v + 1) * (i % 251 + 1)) * 1000003 + numel`` over the
-    flattened tensor (``[B, L]`` rows in order), wrapped to 62 bits. Returns a 0-d int64 tensor.
+    against edits and mix-ups, not a hash: ``sum((v + 1) * w(i)) * 1000003 + numel`` over the flattened
+    tensor (``[B, L]`` rows in order), with the non-repeating weights of :func:`checksum_weights`, in int64
+    arithmetic (wrapping) cut to 62 bits. Returns a 0-d int64 tensor.
     """
     flat = values.reshape(-1).to(torch.int64)
-    weights = torch.arange(flat.numel(), device=flat.device, dtype=torch.int64).remainder_(251).add_(1)
-    total = ((flat + 1) * weights).sum() * 1000003 + flat.numel()
+    total = ((flat + 1) * checksum_weights(flat.numel(), flat.device)).sum() * 1000003 + flat.numel()
     return total.bitwise_and(_CHECKSUM_MASK)
+
+
+def shard_checksums(rows: torch.Tensor) -> list[int]:
+    """:func:`shard_checksum` of every shard ``rows[:, r]`` of ``rows [B, P, L]`` in one vectorised pass."""
+    batch, ranks, local_len = rows.shape
+    weights = checksum_weights(batch * local_len)
+    # sum((v + 1) * w) = sum(v * w) + sum(w): one product pass (wrapping int64 sums are associative).
+    total = (rows.to(torch.int64) * weights.view(batch, 1, local_len)).sum(dim=(0, 2)) + weights.sum()
+    total = total * 1000003 + batch * local_len
+    return total.bitwise_and(_CHECKSUM_MASK).tolist()

@@ -22,9 +22,12 @@ sliding window ``w``); a rank's work is the sum over its queries, averaged over 
 
 from __future__ import annotations
 
+import bisect
+import heapq
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from functools import cached_property
 
 import numpy as np
 import torch
@@ -36,6 +39,7 @@ from .varlen import PlanError, QueryPiece
 __all__ = [
     "PLACEMENTS",
     "Placement",
+    "PlacementRuns",
     "balanced_placement",
     "contiguous_placement",
     "make_placement",
@@ -43,6 +47,24 @@ __all__ = [
     "rank_work",
     "zigzag_placement",
 ]
+
+
+@dataclass(frozen=True, eq=False)
+class PlacementRuns:
+    """A placement as runs: maximal pieces of consecutive positions held at consecutive local rows of one rank.
+
+    Every array is ``[R]`` int64 numpy, ascending ``start``; the runs partition ``[0, S)``. A contiguous
+    placement has ``P`` runs, zigzag ``2P``, balanced about one per document piece plus ``P`` of padding.
+    """
+
+    start: np.ndarray
+    length: np.ndarray
+    rank: np.ndarray
+    local_start: np.ndarray
+
+    @property
+    def end(self) -> np.ndarray:
+        return self.start + self.length
 
 
 @dataclass(frozen=True, eq=False)
@@ -74,6 +96,23 @@ class Placement:
     def is_contiguous(self) -> bool:
         """Whether rank ``r`` holds exactly ``[r*L, (r+1)*L)``."""
         return bool(torch.equal(self.index.flatten(), torch.arange(self.full_len)))
+
+    @cached_property
+    def runs(self) -> PlacementRuns:
+        """The placement as :class:`PlacementRuns` (one vectorised pass over ``index``, cached: the plans of
+        every window and every rank share it)."""
+        flat = self.index.reshape(-1).numpy()
+        n, local_len = flat.size, self.local_len
+        fresh = np.ones(n, dtype=bool)
+        if n:
+            fresh[1:] = flat[1:] != flat[:-1] + 1
+            fresh[::local_len] = True  # a rank's first row starts a run whatever the previous rank ended with
+        first = np.flatnonzero(fresh)
+        length = np.diff(np.append(first, n))
+        order = np.argsort(flat[first], kind="stable")
+        return PlacementRuns(flat[first][order].astype(np.int64), length[order].astype(np.int64),
+                             (first // max(local_len, 1))[order].astype(np.int64),
+                             (first % max(local_len, 1))[order].astype(np.int64))
 
     def owner(self) -> tuple[torch.Tensor, torch.Tensor]:
         """``(rank [S], local_row [S])``: who holds each global position, and at which local row."""
@@ -134,7 +173,42 @@ def piece_work(start: int, end: int, windows: Sequence[int | None] = (None,)) ->
 
 def rank_work(doc_ids_row: torch.Tensor, placement: Placement, windows: Sequence[int | None] = (None,)
               ) -> torch.Tensor:
-    """``[P]`` float64 causal pairs each rank's queries attend (the work model of :func:`balanced_placement`)."""
+    """``[P]`` float64 causal pairs each rank's queries attend (the work model of :func:`balanced_placement`).
+
+    Computed on runs (each placement run cut by the documents: closed-form sums in exact integers) when the
+    number of windows is a power of two, where that equals the per-token float sum bit for bit; else per token.
+    """
+    count = len(windows)
+    if count & (count - 1):
+        return _rank_work_tokens(doc_ids_row, placement, windows)
+    row = doc_ids_row.to(torch.int64).reshape(-1)
+    runs = placement.runs
+    ids = row.numpy()
+    full_len = ids.size
+    fresh = np.flatnonzero(ids[1:] != ids[:-1]) + 1 if full_len else np.zeros(0, np.int64)
+    doc_start = np.concatenate([[0], fresh]).astype(np.int64) if full_len else fresh.astype(np.int64)
+    cuts = np.union1d(runs.start, doc_start).astype(np.int64)
+    cuts = cuts[cuts < full_len]
+    ends = np.append(cuts[1:], full_len)
+    real = ids[cuts] != 0 if cuts.size else np.zeros(0, bool)
+    first = doc_start[np.searchsorted(doc_start, cuts, side="right") - 1] if cuts.size else cuts
+    lo, hi = (cuts - first)[real], (ends - first)[real]  # in-document offsets [lo, hi) of each piece
+    owner = runs.rank[np.searchsorted(runs.start, cuts, side="right") - 1][real] if cuts.size else cuts
+    pairs = np.zeros(lo.size, dtype=np.int64)
+    for window in windows:
+        if window is None:
+            pairs += (hi * (hi + 1) - lo * (lo + 1)) // 2
+        else:
+            mid = np.minimum(np.maximum(lo, window), hi)
+            pairs += (mid * (mid + 1) - lo * (lo + 1)) // 2 + (hi - mid) * window
+    total = np.zeros(placement.cp_size, dtype=np.int64)
+    np.add.at(total, owner, pairs)
+    return torch.from_numpy(total.astype(np.float64) / count)
+
+
+def _rank_work_tokens(doc_ids_row: torch.Tensor, placement: Placement, windows: Sequence[int | None] = (None,)
+                      ) -> torch.Tensor:
+    """:func:`rank_work` token by token (any number of windows)."""
     row = doc_ids_row.to(torch.int64)
     offset = (torch.arange(row.numel()) - run_starts(row)).to(torch.float64)
     per_token = torch.zeros_like(offset)
@@ -205,10 +279,10 @@ def balanced_placement(doc_ids_row: torch.Tensor, cp_size: int, *, tolerance: fl
     local_len = full_len // cp_size
     spans = document_spans(row)
     parts = [max(1, math.ceil((end - start) / local_len)) for start, end in spans]
-    pad = torch.nonzero(row == 0).flatten()
     best: tuple[float, list[list[_Item]], list[int]] | None = None
+    cache: dict[tuple[int, int], list[_Item]] = {}  # items are never modified: rounds share them
     for _ in range(max_rounds + 1):
-        placed, load, room, spilled = _assign(spans, parts, cp_size, local_len, windows)
+        placed, load, room, spilled = _assign(spans, parts, cp_size, local_len, windows, cache=cache)
         _improve(placed, load, room)
         mean = sum(load) / cp_size
         worst = max(range(cp_size), key=lambda r: load[r])
@@ -230,16 +304,47 @@ def balanced_placement(doc_ids_row: torch.Tensor, cp_size: int, *, tolerance: fl
         for d in grow:
             parts[d] += 1
     _, placed, room = best
-    owner = np.full(full_len, -1, dtype=np.int64)  # numpy: a thousand slice writes cost microseconds
-    pad_np = pad.numpy()
+    return _placement_of_ranges([[r for item in items for r in item.ranges] for items in placed], room, spans,
+                                full_len)
+
+
+def _placement_of_ranges(ranges: list[list[tuple[int, int]]], room: list[int], spans: list[tuple[int, int]],
+                         full_len: int) -> Placement:
+    """The balanced placement from each rank's document ranges, padding handed out in row order (rank 0 first,
+    ``room[r]`` positions each): built from runs, without sorting the row's positions."""
+    cp_size = len(ranges)
+    local_len = full_len // cp_size
+    # Padding is the complement of the documents, as runs; ``pad_cum[k]`` padding positions precede run k.
+    bounds = [0, *(x for span in spans for x in span), full_len]
+    pad_runs = [(a, b) for a, b in zip(bounds[::2], bounds[1::2]) if b > a]
+    pad_cum = [0]
+    for a, b in pad_runs:
+        pad_cum.append(pad_cum[-1] + b - a)
+    starts: list[int] = []
+    lengths: list[int] = []
     taken = 0
     for rank in range(cp_size):
-        for item in placed[rank]:
-            for a, b in item.ranges:
-                owner[a:b] = rank
-        owner[pad_np[taken:taken + room[rank]]] = rank
-        taken += room[rank]
-    return Placement.from_owner("balanced", torch.from_numpy(owner), cp_size)
+        pieces = [(a, b) for a, b in ranges[rank] if b > a]
+        end = taken + room[rank]
+        k = bisect.bisect_right(pad_cum, taken) - 1
+        while taken < end and k < len(pad_runs):
+            a, b = pad_runs[k]
+            lo = a + taken - pad_cum[k]
+            hi = min(b, lo + end - taken)
+            pieces.append((lo, hi))
+            taken += hi - lo
+            k += 1
+        pieces.sort()
+        held = sum(b - a for a, b in pieces)
+        if held != local_len or taken != end:
+            raise PlanError(f"placement 'balanced' does not give rank {rank} exactly {local_len} positions "
+                            f"(it holds {held})")
+        starts.extend(a for a, _ in pieces)
+        lengths.extend(b - a for a, b in pieces)
+    start = np.asarray(starts, dtype=np.int64)
+    length = np.asarray(lengths, dtype=np.int64)
+    index = np.repeat(start - (np.cumsum(length) - length), length) + np.arange(full_len, dtype=np.int64)
+    return Placement("balanced", torch.from_numpy(index).view(cp_size, local_len))
 
 
 def _cheapest_split(docs: list[int], excess: float, spans: list[tuple[int, int]], parts: list[int],
@@ -262,65 +367,138 @@ def _cheapest_split(docs: list[int], excess: float, spans: list[tuple[int, int]]
 
 
 def _assign(spans: list[tuple[int, int]], parts: list[int], cp_size: int, local_len: int,
-            windows: Sequence[int | None]) -> tuple[list[list[_Item]], list[float], list[int], list[int]]:
+            windows: Sequence[int | None], cache: dict[tuple[int, int], list[_Item]] | None = None
+            ) -> tuple[list[list[_Item]], list[float], list[int], list[int]]:
     """One placement round: ``(items per rank heaviest first, work per rank, room left per rank,
     documents cut because their piece fit no rank)``."""
     items: list[_Item] = []
+    cache = {} if cache is None else cache  # (doc, parts) -> its items: rounds change few documents' parts
     for doc, (start, end) in enumerate(spans):
-        if parts[doc] == 1:
-            items.append(_item(doc, start, [(start, end)], windows))
-        else:
-            items.extend(_head_tail_items(doc, start, end - start, parts[doc], windows))
+        made = cache.get((doc, parts[doc]))
+        if made is None:
+            made = cache[doc, parts[doc]] = ([_item(doc, start, [(start, end)], windows)] if parts[doc] == 1 else
+                                             _head_tail_items(doc, start, end - start, parts[doc], windows))
+        items.extend(made)
     items.sort(key=lambda it: (-it.work, -it.tokens))
     load = [0.0] * cp_size
     room = [local_len] * cp_size
     placed: list[list[_Item]] = [[] for _ in range(cp_size)]
-    docs_on: list[set[int]] = [set() for _ in range(cp_size)]
     spilled: list[int] = []
+    # Ranks ordered by (load, -room, rank) in a heap with lazy deletion (an entry is current while it matches
+    # the rank's numbers): the first rank in that order that fits is the one a scan over every rank picks.
+    # When the first few ranks do not fit (late in a full row), one vectorised scan finds it instead.
+    heap = [(0.0, -local_len, r) for r in range(cp_size)]
+    load_np = np.zeros(cp_size)
+    room_np = np.full(cp_size, local_len, dtype=np.int64)
+    ranks_of: dict[int, list[int]] = {}
     for item in items:
-        lightest = min(range(cp_size), key=lambda r: (load[r], -room[r]))
-        if room[lightest] >= item.tokens and item.doc not in docs_on[lightest]:
-            rank = lightest  # the common case
-        else:
-            fits = [r for r in range(cp_size) if room[r] >= item.tokens]
-            if not fits:
-                _spill(item, spans[item.doc][0], windows, load, room, placed)
-                spilled.append(item.doc)
-                continue
-            apart = [r for r in fits if item.doc not in docs_on[r]] or fits
-            rank = min(apart, key=lambda r: (load[r], -room[r]))
+        first_fit, rank, popped = None, None, []
+        holding = ranks_of.get(item.doc, ())
+        if item.tokens == 0:  # fits a full rank too (not in the heap): scan every rank
+            fits = [r for r in range(cp_size) if r not in holding] or list(range(cp_size))
+            rank = min(fits, key=lambda r: (load[r], -room[r]))
+        while heap and rank is None and len(popped) < _HEAP_SCAN:
+            entry = heapq.heappop(heap)
+            work, neg_room, r = entry
+            if work != load[r] or -neg_room != room[r]:
+                continue  # stale
+            popped.append(entry)
+            if room[r] >= item.tokens:
+                if r not in holding:
+                    rank = r
+                    break
+                if first_fit is None:
+                    first_fit = r
+        for entry in popped:
+            if entry[2] != rank:
+                heapq.heappush(heap, entry)
+        if rank is None and len(popped) >= _HEAP_SCAN:
+            rank = _lightest_fit(load_np, room_np, item.tokens, holding)
+        elif rank is None:
+            rank = first_fit
+        if rank is None:
+            _spill(item, spans[item.doc][0], windows, load, room, placed)
+            spilled.append(item.doc)
+            load_np[:], room_np[:] = load, room
+            heap = [(load[r], -room[r], r) for r in range(cp_size) if room[r] > 0]
+            heapq.heapify(heap)
+            continue
         placed[rank].append(item)
-        docs_on[rank].add(item.doc)
+        ranks_of.setdefault(item.doc, []).append(rank)
         load[rank] += item.work
         room[rank] -= item.tokens
+        load_np[rank], room_np[rank] = load[rank], room[rank]
+        if room[rank] > 0:  # a full rank fits nothing more (every item holds a token)
+            heapq.heappush(heap, (load[rank], -room[rank], rank))
     return placed, load, room, spilled
+
+
+#: Current heap entries :func:`_assign` looks at before one vectorised scan over every rank.
+_HEAP_SCAN = 4
+
+
+def _lightest_fit(load: np.ndarray, room: np.ndarray, tokens: int, holding: Sequence[int]) -> int | None:
+    """The first rank in ``(load, -room, rank)`` order with ``room >= tokens``, preferring ranks not in ``holding``."""
+    masked = np.where(room >= tokens, load, np.inf)
+    if holding:
+        kept = masked[holding]
+        masked[holding] = np.inf
+        if np.isinf(masked).all():  # only ranks holding the document fit (or none): take those
+            masked[holding] = kept
+    lightest = masked.min()
+    if lightest == np.inf:
+        return None
+    candidates = np.flatnonzero(masked == lightest)
+    if candidates.size > 1:
+        most = room[candidates]
+        candidates = candidates[most == most.max()]
+    return int(candidates[0])
 
 
 def _improve(placed: list[list[_Item]], load: list[float], room: list[int], *, steps: int = 8,
              width: int = 16) -> None:
     """Local search: move a whole item off the most loaded rank, or swap it for a lighter one, while
     that lowers the pair's maximum (only whole items move: no new split, no new K/V traffic beyond
-    where the pieces already were). Looks at the ``width`` heaviest items of each rank."""
-    ranks = range(len(load))
+    where the pieces already were). Looks at the ``width`` heaviest items of each rank.
+
+    Every candidate of a step (item ``i`` of the most loaded rank, rank ``r``, a move or a swap with item ``j``)
+    is scored in one vectorised pass; the first best in ``(i, r, move, j)`` order wins, as in a loop over them."""
+    cp_size = len(load)
+    works = np.full((cp_size, width), np.inf)
+    tokens = np.zeros((cp_size, width), dtype=np.int64)
+
+    def refresh(rank: int) -> None:
+        top = placed[rank][:width]
+        works[rank] = np.inf
+        works[rank, :len(top)] = [it.work for it in top]
+        tokens[rank, :len(top)] = [it.tokens for it in top]
+
+    for rank in range(cp_size):
+        refresh(rank)
     for _ in range(steps):
-        worst = max(ranks, key=lambda r: load[r])
-        best: tuple[float, int, int, int | None] | None = None
-        for i, a in enumerate(placed[worst][:width]):
-            for r in ranks:
-                if r == worst:
-                    continue
-                if room[r] >= a.tokens:
-                    peak = max(load[worst] - a.work, load[r] + a.work)
-                    if peak < load[worst] and (best is None or peak < best[0]):
-                        best = (peak, i, r, None)
-                for j, b in enumerate(placed[r][:width]):
-                    if b.work < a.work and room[r] + b.tokens >= a.tokens and room[worst] + a.tokens >= b.tokens:
-                        peak = max(load[worst] - a.work + b.work, load[r] + a.work - b.work)
-                        if peak < load[worst] and (best is None or peak < best[0]):
-                            best = (peak, i, r, j)
-        if best is None:
+        worst = max(range(cp_size), key=lambda r: load[r])
+        count = min(len(placed[worst]), width)
+        if count == 0:
             return
-        _, i, r, j = best
+        peak_load = load[worst]
+        loads, rooms = np.asarray(load), np.asarray(room, dtype=np.int64)
+        a_work, a_tokens = works[worst, :count, None], tokens[worst, :count, None]  # [i, 1]
+        other = np.arange(cp_size) != worst
+        # Moves [i, r]: item i of the worst rank to rank r.
+        move = np.maximum(peak_load - a_work, loads + a_work)
+        move = np.where(other & (rooms >= a_tokens) & (move < peak_load), move, np.inf)
+        # Swaps [i, r, j]: item i for item j of rank r (a padded slot has infinite work: never lighter).
+        a_work3, a_tokens3 = a_work[:, :, None], a_tokens[:, :, None]
+        swap = np.maximum(peak_load - a_work3 + works, loads[:, None] + a_work3 - works)
+        fits = ((works < a_work3) & (rooms[:, None] + tokens >= a_tokens3)
+                & (room[worst] + a_tokens3 >= tokens) & other[:, None])
+        swap = np.where(fits & (swap < peak_load), swap, np.inf)
+        scores = np.concatenate([move[:, :, None], swap], axis=2)  # [i, r, 1 + width]: the loop's order
+        flat = int(np.argmin(scores))
+        if scores.flat[flat] == np.inf:
+            return
+        i, r, slot = np.unravel_index(flat, scores.shape)
+        i, r, j = int(i), int(r), None if slot == 0 else int(slot) - 1
         moves = [(worst, r, placed[worst][i])] + ([] if j is None else [(r, worst, placed[r][j])])
         for src, dst, item in moves:
             placed[src].remove(item)
@@ -331,6 +509,7 @@ def _improve(placed: list[list[_Item]], load: list[float], room: list[int], *, s
             room[dst] -= item.tokens
         for r_ in (worst, r):
             placed[r_].sort(key=lambda it: -it.work)
+            refresh(r_)
 
 
 def _spill(item: _Item, doc_start: int, windows: Sequence[int | None], load: list[float], room: list[int],

@@ -105,3 +105,16 @@ def test_layout_wall_plot_has_one_bar_per_layout_with_its_spread(tmp_path):
         assert [(s[0][1], s[1][1]) for s in segments] == [(v[3], v[4]) for v in fixed.values()]
     bench.plot(results, 256, str(tmp_path / "wall.png"))
     assert (tmp_path / "wall.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_planning_bench_measures_a_small_row():
+    """bench_planning.py end to end on a tiny row: a row per rank pair, its table line and the issue-25 notes."""
+    bench = _bench("bench_planning")
+    examples = bench.documents(4096, median=300, sigma=1.0)
+    assert sum(e["input_ids"].numel() for e in examples) <= 4096
+    row = bench.measure(examples, 4096, 4, "balanced", "64", "1", repeats=1)
+    assert row.cp_size == 4 and row.docs == len(examples) and row.context_bytes > 0
+    assert row.slowest_s >= row.first_s > 0 and row.one_pass_s > 0
+    line = bench.table([row]).splitlines()[-1]
+    assert line.startswith("| 4,096 | 4 | balanced | 64 | 1 |")
+    assert bench.acceptance([row]) == []  # its checks are for S = 1M and 4M only
