@@ -22,7 +22,7 @@ __all__ = ["CPU_FLASH_ATTENTION", "CPU_FLASH_ATTENTION_BACKWARD", "MASK_CLOSURES
            "TRAINER_PRIVATE_METHODS", "accelerate_dispatching_processes", "accelerate_prepared", "backend_options",
            "backend_timeouts", "cache_eval_dataloader", "can_set_attn_implementation", "check_sft_trainer_internals",
            "check_trainer_internals", "config_attn_implementation", "forget_accelerate_prepared", "forward_hooks",
-           "model_from_config", "resolve_process_group", "set_group_timeout"]
+           "in_autograd_backward", "model_from_config", "resolve_process_group", "set_group_timeout"]
 
 # ---- transformers -----------------------------------------------------------------------------------------
 
@@ -72,6 +72,12 @@ CPU_FLASH_ATTENTION = getattr(torch.ops.aten, "_scaled_dot_product_flash_attenti
 #: Its backward ``(grad_out, q, k, v, out, logsumexp, dropout_p, is_causal, attn_mask=None, scale=None) ->
 #: (grad_q, grad_k, grad_v)``.
 CPU_FLASH_ATTENTION_BACKWARD = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu_backward", None)
+
+
+def in_autograd_backward() -> bool:
+    """Whether this thread is running autograd's backward now (an activation-checkpoint recompute runs there),
+    read from torch's private ``_current_graph_task_id`` (-1 outside a backward)."""
+    return torch._C._current_graph_task_id() != -1
 
 
 def forward_hooks(module: torch.nn.Module) -> tuple[list[Any], list[Any]]:

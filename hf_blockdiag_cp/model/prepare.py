@@ -44,7 +44,7 @@ import torch
 from torch.utils.hooks import RemovableHandle
 from transformers import PreTrainedModel
 
-from ..compat import forward_hooks
+from ..compat import forward_hooks, in_autograd_backward
 from ..recurrent.install import install_recurrent, uninstall_recurrent
 from ..recurrent.runs import local_runs
 from .batch import arguments, check_batch, check_cp_loss_count, fill_position_ids, packing, positional_index
@@ -105,6 +105,12 @@ class ForwardProbe:
     runs: Any = None
     held_context: Any = None
 
+    def holds_step(self) -> bool:
+        """Whether the held forward state (``held_context``, ``runs``) applies to a call now: during the forward
+        (its pre-hook ran, its post-hook not yet) or during a backward (an activation-checkpoint recompute), not
+        to a later direct call of a submodule, whose pre-hook does not run."""
+        return bool(self.starts) or in_autograd_backward()
+
 
 @dataclass(eq=False)
 class Preparation:
@@ -139,7 +145,7 @@ def forward_context(module: torch.nn.Module, cp_context: Any) -> Any:
     if cp_context is not None:
         return cp_context
     probe = module.__dict__.get(PROBE_ATTR)
-    return None if probe is None else probe.held_context
+    return None if probe is None or not probe.holds_step() else probe.held_context
 
 
 def check_context_reached(module: torch.nn.Module, cp_context: Any) -> None:

@@ -83,7 +83,8 @@ _NAME_KEY = "_blockdiag_cp_name"
 
 
 def _fused_forward(self: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
-    if self.__dict__[_PROBE_KEY].runs is not None:
+    probe = self.__dict__[_PROBE_KEY]
+    if probe.runs is not None and probe.holds_step():
         # The fused kernel runs the whole row in one call (state across documents). ``None`` is what its torch
         # stand-in returns: every layer calling it then takes its unfused path, whose scans are served.
         return None
@@ -93,7 +94,7 @@ def _fused_forward(self: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
 def _scan_forward(self: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
     probe = self.__dict__[_PROBE_KEY]
     original = self.__dict__[INSTALLED_ATTR]
-    runs = probe.runs
+    runs = probe.runs if probe.holds_step() else None  # a later direct call of a submodule: no held fragments
     if runs is None:
         return original(*args, **kwargs)
     probe.attention_calls += 1

@@ -256,3 +256,18 @@ def test_model_from_config_builds_a_model_of_the_given_class():
                                       num_attention_heads=2, num_key_value_heads=1)
     model = compat.model_from_config(transformers.LlamaForCausalLM, config, attn_implementation="sdpa")
     assert isinstance(model, transformers.LlamaForCausalLM) and model.config._attn_implementation == "sdpa"
+
+
+def test_in_autograd_backward_is_true_only_inside_a_backward():
+    seen = []
+
+    def record(grad):
+        seen.append(compat.in_autograd_backward())
+        return grad
+
+    x = torch.ones(2, requires_grad=True)
+    y = x * 2
+    y.register_hook(record)
+    assert not compat.in_autograd_backward()
+    y.sum().backward()
+    assert seen == [True]

@@ -91,3 +91,18 @@ def test_mixers_are_served_and_transformers_names_still_match(model_type: str) -
         if name in SCANS and not isinstance(fn, type):
             original = inspect.getclosurevars(type(fn).forward).nonlocals["func"]
             check_signature(SCANS[name], original)
+
+
+def test_a_later_direct_call_of_the_inner_model_does_not_reuse_the_held_fragments() -> None:
+    """The fragments of a packed forward are held after it (for a checkpoint recompute in backward), but a later
+    direct call of the inner model (its pre-hook does not run) must run as stock does, not on the old fragments."""
+    config = tiny_config("qwen3_next")
+    stock = build_model(config, None)
+    ours = build_model(config, "blockdiag_cp")
+    docs = make_documents(config)
+    packed_run(ours, docs, packed_inputs(docs, "position_ids", config.pad_token_id or 0))
+    row = torch.cat(list(docs))[None]  # the same tokens as ONE sequence, same shape as the packed row
+    with torch.no_grad():
+        want = stock.model(row, use_cache=False).last_hidden_state
+        got = ours.model(row, use_cache=False).last_hidden_state
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
