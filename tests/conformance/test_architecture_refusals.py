@@ -86,8 +86,7 @@ def _drop_worker(rank: int, world: int) -> dict[str, str]:
     outcome = {}
     for name, build in (("stablelm", _stablelm), ("nemotron", _nemotron), ("llama", _llama)):
         model = build()
-        with torch.no_grad():
-            alone = torch.cat([model(d[None], use_cache=False).logits[0] for d in _docs()])
+        alone = documents_alone(name, _docs(), model, backward=False).logits
         batch = _collated(model, group=dist.group.WORLD)
         ctx = batch["cp_context"]
         out = model(**batch)

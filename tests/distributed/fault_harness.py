@@ -13,6 +13,7 @@ start of its scenario to its error, and printed (``pytest -s``) for the report.
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import json
 import os
@@ -56,6 +57,22 @@ def _context(rank: int, world: int, group, config, *, lengths=LENGTHS, seed: int
                                    config=config, input_ids=ids, position_ids=pos)
     sl = slice(ctx.row_offset, ctx.row_offset + ctx.local_len)
     return ctx, ids[:, sl], pos[:, sl]
+
+
+def _build(rank: int, world: int, group, config, *, seed: int = 0, placement: str = "contiguous"):
+    """This rank's context and shard (``input_ids``, ``position_ids [1, L]``, copies) of the row ``_row(LENGTHS)``,
+    for any ``placement``."""
+    from hf_blockdiag_cp import BlockDiagCPContext
+
+    doc_ids, ids, pos = _row(LENGTHS, seed)
+    ctx = BlockDiagCPContext.build(doc_ids, placement=placement, cp_rank=rank, cp_size=world, group=group,
+                                   config=config, input_ids=ids, position_ids=pos)
+    return ctx, ids[:, ctx.local_index].clone(), pos[:, ctx.local_index].clone()
+
+
+def _with(config, exchange: str):
+    """``config`` with ``kv_exchange=exchange``."""
+    return dataclasses.replace(config, kv_exchange=exchange)
 
 
 def _step(model, ctx, ids, pos) -> None:

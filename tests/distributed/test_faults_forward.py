@@ -1,5 +1,5 @@
 """Issue 17, fault matrix rows for ranks that *behave* differently in a step (real gloo ranks, T = 5 s), on the
-harness of ``tests/distributed/test_faults.py`` (imported, not copied). Every rank must raise a clear error
+harness of ``tests/distributed/fault_harness.py`` (imported, not copied). Every rank must raise a clear error
 within ``T`` + 10 s — the per-forward agreement's ``AgreementError`` naming the field, or a
 ``CollectiveError`` after a peer gave up — never finish the step, never SIGABRT:
 
@@ -16,31 +16,17 @@ placement (against each document alone through stock ``sdpa``).
 
 from __future__ import annotations
 
-import dataclasses
 from unittest import mock
 
 import pytest
 
 from tests.distributed import fault_harness as harness
-from tests.distributed.fault_harness import FAULTY, LENGTHS, TIMEOUT_S, _row, _survivors_raise
+from tests.distributed.fault_harness import FAULTY, TIMEOUT_S, _build, _row, _survivors_raise, _with
 from tests.launch import run_ranks
 
 pytestmark = pytest.mark.distributed
 
 BOUND_S = TIMEOUT_S + 10.0  # the issue's bound on every rank's time to its error
-
-
-def _build(rank: int, world: int, group, config, *, seed: int = 0, placement: str = "contiguous"):
-    from hf_blockdiag_cp import BlockDiagCPContext
-
-    doc_ids, ids, pos = _row(LENGTHS, seed)
-    ctx = BlockDiagCPContext.build(doc_ids, placement=placement, cp_rank=rank, cp_size=world, group=group,
-                                   config=config, input_ids=ids, position_ids=pos)
-    return ctx, ids[:, ctx.local_index].clone(), pos[:, ctx.local_index].clone()
-
-
-def _with(config, exchange: str):
-    return dataclasses.replace(config, kv_exchange=exchange)
 
 
 # ---- scenarios (rank, world, mesh, config) -> None ------------------------------------------------------

@@ -137,15 +137,15 @@ def test_router_aux_loss_at_cp_equals_one_process_on_the_row(world, families):
 
 def _trainer_worker(rank: int, world: int, tmp: str) -> dict:
     import hf_blockdiag_cp as bd
-    from tests.training.test_trainer_cp import _training_args
+    from tests.training.trainer_setup import training_args
 
     mesh = bd.init_device_mesh(world)
     model = _model("mixtral", "blockdiag_cp")
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     doc_ids, ids, _, _ = _row(model.config.vocab_size)
     examples = [{"input_ids": ids[0, doc_ids == d].tolist()} for d in range(1, len(LENGTHS) + 1)]
-    trainer = bd.CPTrainer(model=model, args=_training_args(tmp, per_device_train_batch_size=len(LENGTHS),
-                                                            gradient_accumulation_steps=1),
+    trainer = bd.CPTrainer(model=model, args=training_args(tmp, per_device_train_batch_size=len(LENGTHS),
+                                                           gradient_accumulation_steps=1),
                            train_dataset=examples, data_collator=bd.PackingCollator(sum(LENGTHS), group=mesh["cp"],
                                                                                     pad_token_id=0),
                            mesh=mesh, optimizers=(torch.optim.SGD(model.parameters(), lr=1.0), None))
@@ -157,9 +157,9 @@ def _trainer_worker(rank: int, world: int, tmp: str) -> dict:
 
 @pytest.mark.timeout(600)
 def test_router_aux_loss_in_cp_trainer_at_cp2(tmp_path):
-    from tests.training.test_trainer_cp import _rank_env
+    from tests.training.trainer_setup import rank_env
 
-    reports = run_ranks(_trainer_worker, 2, str(tmp_path), timeout=540, env=_rank_env(2))
+    reports = run_ranks(_trainer_worker, 2, str(tmp_path), timeout=540, env=rank_env(2))
     ref_loss, _, ref_grads = _reference("mixtral")
     assert reports[0]["loss"] == pytest.approx(ref_loss, rel=1e-5), (reports[0]["loss"], ref_loss)
     update = {n: torch.from_numpy(g) for n, g in reports[0]["update"].items()}

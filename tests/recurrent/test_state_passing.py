@@ -17,6 +17,7 @@ import torch
 from hf_blockdiag_cp.planning.fragments import plan_fragments
 from hf_blockdiag_cp.planning.placement import make_placement
 from tests.launch import run_ranks
+from tests.reference import documents_alone
 
 SEQ_LEN = 48  # divisible by 2P for zigzag at P = 2, 4
 LAYOUTS = {
@@ -39,16 +40,6 @@ CASES = [
 def _docs(lengths: list[int], vocab: int) -> list[torch.Tensor]:
     gen = torch.Generator().manual_seed(7)
     return [torch.randint(3, vocab, (n,), generator=gen) for n in lengths]
-
-
-def _alone(model: torch.nn.Module, docs: list[torch.Tensor], bf16: bool) -> tuple:
-    """Each document alone through the unmodified model: ``(logits [T, V] in row order, grads)``."""
-    count = sum(len(d) - 1 for d in docs)
-    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
-        logits = [model(d[None], use_cache=False).logits[0].float() for d in docs]
-    loss = sum(torch.nn.functional.cross_entropy(lg[:-1], d[1:], reduction="sum") for lg, d in zip(logits, docs))
-    (loss / count).backward()
-    return torch.cat(logits).detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
 
 
 def expected_bytes(model: torch.nn.Module, slots: int, cp_size: int) -> int:
@@ -78,7 +69,8 @@ def _worker(rank: int, world: int) -> dict:
         for kind, placement, checkpointing, bf16 in CASES:
             config = configs[kind]
             docs = _docs(lengths, config.vocab_size)
-            ref_logits, ref_grads = _alone(build_model(config, None).train(), docs, bf16)
+            ref_logits, ref_grads = documents_alone(kind, docs, build_model(config, None).train(),
+                                                   autocast=torch.bfloat16 if bf16 else None)
             model = build_model(config, "blockdiag_cp").train()
             if checkpointing:
                 model.activation_checkpointing_enable()

@@ -19,13 +19,9 @@ EMPTY = {"input_ids": [20, 21, 22, 23, 24, 25], "labels": [-100] * 6}  # a row w
 
 
 def _reference() -> float:
-    from tests.reference import tiny_model
+    from tests.reference import documents_alone
 
-    model = tiny_model("llama", attn_implementation="sdpa")
-    ids = torch.tensor(DOC)
-    with torch.no_grad():
-        logits = model(ids[None], use_cache=False).logits[0, :-1]
-    return float(torch.nn.functional.cross_entropy(logits, ids[1:]))
+    return documents_alone("llama", [torch.tensor(DOC)], backward=False).loss
 
 
 def _eval_loss(tmp: str, mesh=None, group=None) -> float:
@@ -58,8 +54,8 @@ def _worker(rank: int, world: int, tmp: str) -> float:
 @pytest.mark.distributed
 @pytest.mark.timeout(300)
 def test_an_eval_step_without_targets_is_left_out_of_eval_loss_at_cp2(tmp_path):
-    from tests.training.test_trainer_cp import _rank_env
+    from tests.training.trainer_setup import rank_env
 
-    losses = run_ranks(_worker, 2, str(tmp_path), timeout=240, env=_rank_env(2))
+    losses = run_ranks(_worker, 2, str(tmp_path), timeout=240, env=rank_env(2))
     reference = _reference()
     assert losses == [pytest.approx(reference, rel=1e-5)] * 2, (losses, reference)

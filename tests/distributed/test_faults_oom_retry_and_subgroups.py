@@ -1,10 +1,12 @@
-"""Issue 27, multi-rank rows (real gloo ranks, T = 5 s), on the harness of ``tests/distributed/test_faults.py``:
+"""Issue 27, multi-rank rows (real gloo ranks, T = 5 s), on the harness of ``tests/distributed/fault_harness.py``:
 
 - finding 1: one rank's forward raises in the head (an OOM the loop catches) and it retries while its peer is in
   backward, with the all-to-all exchange, with and without PEFT. The retry's per-forward agreement must run (before
   the fix PEFT's nested hook pair skipped it and gloo paired a forward all-to-all with a gradient all-to-all:
   ``EnforceNotMet``, SIGABRT): every rank ends in an error within the bound, none dies, and the retrying rank ran the
   forward agreement twice (once per forward; before the fix once with PEFT).
+- finding 7: head-parallel subgroups created twice, each rank taking a different creation: refused with an
+  ``AgreementError`` naming the groups within ``T``; the same creation on every rank runs.
 """
 
 from __future__ import annotations
@@ -13,9 +15,8 @@ from unittest import mock
 
 import pytest
 
-from tests.distributed import test_faults as harness
-from tests.distributed.test_faults import FAULTY, TIMEOUT_S
-from tests.distributed.test_faults_forward import _build, _with
+from tests.distributed import fault_harness as harness
+from tests.distributed.fault_harness import FAULTY, TIMEOUT_S, _build, _with
 
 pytestmark = pytest.mark.distributed
 
@@ -66,11 +67,11 @@ def _oom_retry_peft(rank, world, mesh, config):
     _oom_retry(rank, world, mesh, config, peft=True)
 
 
-ROUND3 = {"oom_retry_plain": _oom_retry_plain, "oom_retry_peft": _oom_retry_peft}
+OOM_RETRY = {"oom_retry_plain": _oom_retry_plain, "oom_retry_peft": _oom_retry_peft}
 
 
 def _worker(rank, world, names, ports, cp_size, log_dir, timeout_s):
-    harness.SCENARIOS.update(ROUND3)
+    harness.SCENARIOS.update(OOM_RETRY)
     harness._scenario_worker(rank, world, names, ports, cp_size, log_dir, timeout_s)
 
 
