@@ -40,6 +40,7 @@ MORE_CASES = [
     ("bailing_hybrid", "balanced", False, False),
     ("zamba", "zigzag", False, False),
     ("lfm3", "contiguous", False, False),
+    ("zaya", "zigzag", False, False),
 ]
 
 
@@ -137,7 +138,8 @@ def test_training_step_matches_documents_alone(world: int) -> None:
 @pytest.mark.distributed
 @pytest.mark.slow
 def test_more_architectures_match_documents_alone_at_cp2() -> None:
-    """lara_mini, bailing_hybrid, zamba, lfm3 on 2 ranks: served by the same functions as the families above."""
+    """lara_mini, bailing_hybrid, zamba, lfm3 on 2 ranks (served by the same functions as the families above) and
+    zaya (its convolution module served whole, the last inputs passed between ranks)."""
     _check(run_ranks(_worker, 2, MORE_CASES, timeout=900), 2)
 
 
