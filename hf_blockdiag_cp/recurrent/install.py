@@ -118,6 +118,8 @@ def _window_forward(self: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
         return original(*args, **kwargs)
     spec = WINDOWED[type(self).__name__]
     named = bind(spec, args, kwargs)
+    for key in _PACKING_KEYWORDS:  # the fragments replace them (a module reading seq_idx would reset twice)
+        named.pop(key, None)
     if named.get(spec.cache) is not None:
         raise UnsupportedModel(f"{spec.name} got a cache with packed rows; blockdiag_cp trains packed rows without a "
                                "cache (pass use_cache=False)")
