@@ -41,6 +41,19 @@ _MIXER_PATTERN = re.compile(
     r"Mamba|Ssm|SSM|GatedDelta|DeltaNet|DeltaProduct|LinearAttention|LightningAttention|ShortConv|Rglru|RGLRU|"
     r"RecurrentBlock|Rwkv|LSTM|Lstm|Retention|Hyena|KimiDelta|Recurrent(?!Gemma)")
 
+#: What each token mixer that :mod:`hf_blockdiag_cp.recurrent` does not serve is (class-name pattern, description),
+#: so that a refusal names the piece that is missing. A plain ``nn.Conv1d`` is named after the module holding it.
+_UNSERVED_MIXERS: tuple[tuple[re.Pattern, str], ...] = tuple((re.compile(p), d) for p, d in (
+    (r"LightningAttention", "lightning attention"),
+    (r"^RecurrentGemma(RecurrentBlock|Rglru)$", "RG-LRU recurrence and its plain nn.Conv1d"),
+    (r"^xLSTM", "mLSTM cell"),
+    (r"DynamicShortConvolution$", "dynamic short convolution with per-token taps, outside transformers' "
+                                  "replaceable causal_conv1d functions"),
+    (r"^ZayaCCAProjection$", "compressed convolutional attention projection, plain nn.Conv1d layers over the "
+                             "sequence and a delayed value state"),
+    (r"Rwkv", "RWKV time mixing"),
+))
+
 #: Module paths of other modalities' encoders (their convolutions run over audio/image features).
 _NON_TEXT_PATTERN = re.compile(r"(^|[._])(audio|vision|visual|image|speech|video)", re.IGNORECASE)
 
@@ -97,15 +110,17 @@ def packing_refusal(model: torch.nn.Module) -> str | None:
         if served and prefix and cls_name.startswith(prefix):  # MambaRMSNorm: named after a served architecture
             cls_name = cls_name[len(prefix):]
         if isinstance(sub, torch.nn.Conv1d):
-            kind = "a convolution over the sequence"
+            kind = "plain nn.Conv1d over the sequence, outside transformers' replaceable causal_conv1d functions"
         elif _MIXER_PATTERN.search(cls_name):
-            kind = "a recurrent / state-space / linear-attention token mixer"
+            kind = "recurrent / state-space / linear-attention token mixer"
         if kind is not None:
-            return (f"{name_of_model} has {type(sub).__name__} layers ({name}: {kind}) that carry state across the "
-                    "whole row whatever the attention does, so packed documents would leak into each other (and a "
-                    "context-parallel shard would lose the state of the previous shard); blockdiag_cp refuses rows "
-                    "with more than one document for it. Train it on one document per row without context "
-                    "parallelism")
+            owner = _owner(model, name) if isinstance(sub, torch.nn.Conv1d) else sub
+            what = _unserved_mixer(owner, kind)
+            return (f"{name_of_model}'s {what} ({type(owner).__name__} at {name}) has no per-document reset or "
+                    "state passing in blockdiag_cp yet: its layers carry state across the whole row whatever the "
+                    "attention does, so packed documents would leak into each other (and a context-parallel shard "
+                    "would lose the state of the previous shard); blockdiag_cp refuses rows with more than one "
+                    "document for it. Train it on one document per row without context parallelism")
     offset = next((sub for sub in model.modules() if hasattr(type(sub), "create_position_ids_from_input_ids")), None)
     if offset is not None:
         return (f"{name_of_model}'s {type(offset).__name__} counts positions from padding_idx + 1 when it computes "
@@ -122,6 +137,17 @@ def packing_refusal(model: torch.nn.Module) -> str | None:
                 "not from each packed document (and not from a context-parallel shard's offset); blockdiag_cp refuses "
                 "rows with more than one document for it")
     return None
+
+
+def _owner(model: torch.nn.Module, name: str) -> torch.nn.Module:
+    """The module holding submodule ``name`` (a plain convolution is described by the layer that uses it)."""
+    return model.get_submodule(name.rpartition(".")[0]) if "." in name else model
+
+
+def _unserved_mixer(module: torch.nn.Module, kind: str) -> str:
+    """What ``module`` is, for a refusal: its entry in :data:`_UNSERVED_MIXERS`, else ``kind``."""
+    cls_name = type(module).__name__
+    return next((what for pattern, what in _UNSERVED_MIXERS if pattern.search(cls_name)), kind)
 
 
 def _calls_attention_interface(cls: type) -> bool:

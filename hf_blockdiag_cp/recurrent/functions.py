@@ -15,6 +15,9 @@ Each function is one of three kinds:
 - :data:`FUSED`: fused GPU paths that would mix documents inside one kernel call; skipped with packed rows (the
   layers then take their unfused path).
 
+Modules that mix tokens with a plain ``nn.Conv1d`` and no replaceable function are listed in :data:`WINDOWED` by
+class name and served whole, once per fragment.
+
 A transformers upgrade that renames one of them fails ``tests/recurrent/test_functions.py`` (the names and
 parameters below are checked against the installed model files), not a user.
 """
@@ -23,7 +26,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["COMPOSITES", "FUSED", "SCANS", "ScanFunction", "mixer_functions"]
+__all__ = ["COMPOSITES", "FUSED", "SCANS", "WINDOWED", "ScanFunction", "WindowedModule", "mixer_functions"]
 
 
 @dataclass(frozen=True)
@@ -80,6 +83,40 @@ COMPOSITES: frozenset[str] = frozenset({
 
 #: Fused GPU paths (mamba_ssm) whose one kernel call covers the whole row: skipped with packed rows.
 FUSED: frozenset[str] = frozenset({"mamba_split_conv1d_scan_combined", "mamba_inner_fn"})
+
+
+@dataclass(frozen=True)
+class WindowedModule:
+    """A module that mixes tokens with a plain ``nn.Conv1d`` (no replaceable function): its output at ``t`` depends
+    on its inputs at ``t - window .. t`` only, so it is served as a whole, once per fragment (the instance
+    ``forward`` is replaced, as for the wrappers). A fragment that continues a document gets the document's last
+    ``window`` earlier inputs (fewer at its start) prepended, from the CP ranks that hold them; their outputs are
+    dropped.
+
+    Attributes:
+        name: the module's class name (transformers 5.25).
+        params: its ``forward``'s parameters in order (to bind positional arguments).
+        sequence: the input ``[B, T, C]`` (time axis 1); every output has its time axis at 1.
+        mask: an optional padding mask ``[B, T]`` sliced with the sequence.
+        cache: the cache parameter (must be ``None`` with packed rows).
+        window_attr: the module attribute holding how many earlier inputs an output reads (at least 1).
+    """
+
+    name: str
+    params: tuple[str, ...]
+    sequence: str
+    mask: str | None
+    cache: str
+    window_attr: str
+
+
+#: Modules served whole per fragment, by class name: zaya's compressed convolutional attention projection (two
+#: ``nn.Conv1d`` over ``(cca_time0 - 1) + (cca_time1 - 1)`` earlier q/k inputs, and a value half from the previous
+#: token).
+WINDOWED: dict[str, WindowedModule] = {m.name: m for m in (
+    WindowedModule("ZayaCCAProjection", ("hidden_states", "cache", "conv_mask"), "hidden_states", "conv_mask",
+                   "cache", "conv_kernel_size"),
+)}
 
 
 def mixer_functions(module: object) -> dict[str, object] | None:

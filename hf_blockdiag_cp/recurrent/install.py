@@ -11,7 +11,9 @@ the wrapper of each served scan gets an instance ``forward`` (as ``kernels.kerne
 The fragments come from the forward's preparation (the model pre-hook stores them in the probe), so a decoder
 layer that drops the model's keyword arguments (jamba, mamba, falcon_mamba) is served as well as one that
 passes them. Fused GPU paths (:data:`~.functions.FUSED`) are skipped with packed rows (they return ``None``,
-as their torch stand-ins do, and the layer runs its unfused, served path).
+as their torch stand-ins do, and the layer runs its unfused, served path). A windowed module
+(:data:`~.functions.WINDOWED`) gets an instance ``forward`` that runs it once per fragment
+(:func:`~.state_passing.run_window`).
 """
 
 from __future__ import annotations
@@ -24,9 +26,9 @@ import torch
 
 from ..errors import UnsupportedModel
 from .fragment_call import bind, call_fragment, time_axis
-from .functions import COMPOSITES, FUSED, SCANS, ScanFunction, mixer_functions
+from .functions import COMPOSITES, FUSED, SCANS, WINDOWED, ScanFunction, mixer_functions
 from .runs import LocalRuns
-from .state_passing import run_cp
+from .state_passing import run_cp, run_window
 
 __all__ = ["INSTALLED_ATTR", "install_recurrent", "is_served", "uninstall_recurrent", "unserved_functions"]
 
@@ -44,7 +46,9 @@ def unserved_functions(module: torch.nn.Module) -> list[str]:
 
 
 def is_served(module: torch.nn.Module) -> bool:
-    """Whether ``module`` is a recurrent mixer whose every scan is served per fragment."""
+    """Whether ``module`` is a recurrent mixer whose every scan is served per fragment (or a windowed module)."""
+    if type(module).__name__ in WINDOWED:
+        return True
     funcs = mixer_functions(module)
     return funcs is not None and any(name in SCANS for name in funcs) and not unserved_functions(module)
 
@@ -66,6 +70,12 @@ def install_recurrent(model: torch.nn.Module, probe: Any) -> int:
         if not is_served(module):
             continue
         count += 1
+        if type(module).__name__ in WINDOWED:
+            module.__dict__[_PROBE_KEY] = probe
+            if INSTALLED_ATTR not in module.__dict__:
+                module.__dict__[INSTALLED_ATTR] = module.forward
+                module.forward = MethodType(_window_forward, module)
+            continue
         for name, wrapper in mixer_functions(module).items():
             if name not in SCANS and name not in FUSED:
                 continue
@@ -82,9 +92,14 @@ _PROBE_KEY = "_blockdiag_cp_probe"
 _NAME_KEY = "_blockdiag_cp_name"
 
 
+def _held_runs(probe: Any) -> LocalRuns | None:
+    """The fragments of the forward in progress (or being recomputed in backward); ``None`` for one document per
+    row and for a later direct call of a submodule, whose model pre-hook did not run."""
+    return probe.runs if probe.holds_step() else None
+
+
 def _fused_forward(self: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
-    probe = self.__dict__[_PROBE_KEY]
-    if probe.runs is not None and probe.holds_step():
+    if _held_runs(self.__dict__[_PROBE_KEY]) is not None:
         # The fused kernel runs the whole row in one call (state across documents). ``None`` is what its torch
         # stand-in returns: every layer calling it then takes its unfused path, whose scans are served.
         return None
@@ -94,11 +109,32 @@ def _fused_forward(self: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
 def _scan_forward(self: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
     probe = self.__dict__[_PROBE_KEY]
     original = self.__dict__[INSTALLED_ATTR]
-    runs = probe.runs if probe.holds_step() else None  # a later direct call of a submodule: no held fragments
+    runs = _held_runs(probe)
     if runs is None:
         return original(*args, **kwargs)
     probe.attention_calls += 1
     return run_fragments(SCANS[self.__dict__[_NAME_KEY]], original, runs, args, kwargs)
+
+
+def _window_forward(self: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
+    probe = self.__dict__[_PROBE_KEY]
+    original = self.__dict__[INSTALLED_ATTR]
+    runs = _held_runs(probe)
+    if runs is None:
+        return original(*args, **kwargs)
+    spec = WINDOWED[type(self).__name__]
+    named = bind(spec, args, kwargs)
+    for key in _PACKING_KEYWORDS:  # the fragments replace them (a module reading seq_idx would reset twice)
+        named.pop(key, None)
+    if named.get(spec.cache) is not None:
+        raise UnsupportedModel(f"{spec.name} got a cache with packed rows; blockdiag_cp trains packed rows without a "
+                               "cache (pass use_cache=False)")
+    window = max(1, int(getattr(self, spec.window_attr)))
+    lead = named[spec.sequence]
+    if lead.shape[0] != runs.batch_size or lead.shape[1] != runs.local_len:
+        raise ValueError(f"{spec.name} got rows [B={lead.shape[0]}, T={lead.shape[1]}] but this forward's packed "
+                         f"batch has [B={runs.batch_size}, L={runs.local_len}]")
+    return run_window(spec, original, runs, named, window)
 
 
 def run_fragments(spec: ScanFunction, original: Callable, runs: LocalRuns, args: tuple,
@@ -147,6 +183,9 @@ def check_signature(spec: ScanFunction, function: Callable) -> None:
 def uninstall_recurrent(model: torch.nn.Module) -> None:
     """Give every served wrapper of ``model`` its original ``forward`` back."""
     for module in model.modules():
+        if module.__dict__.pop(INSTALLED_ATTR, None) is not None:
+            for key in ("forward", _PROBE_KEY):
+                module.__dict__.pop(key, None)
         for wrapper in (mixer_functions(module) or {}).values():
             if wrapper.__dict__.pop(INSTALLED_ATTR, None) is not None:
                 for key in ("forward", _PROBE_KEY, _NAME_KEY):

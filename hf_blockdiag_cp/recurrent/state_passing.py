@@ -35,10 +35,10 @@ from ..distributed.exchange import _AllGather
 from ..errors import UnsupportedModel
 from ..runtime import step_runtime
 from .fragment_call import call_fragment, time_axis
-from .functions import ScanFunction
+from .functions import ScanFunction, WindowedModule
 from .runs import LocalRuns
 
-__all__ = ["run_cp", "summary_width"]
+__all__ = ["run_cp", "run_window", "summary_width"]
 
 
 @dataclass(frozen=True)
@@ -234,3 +234,67 @@ def _continue_conv(spec: ScanFunction, original: Callable, named: dict[str, Any]
     extended = torch.cat([window[None].to(x.dtype), x], dim=-1)
     out, _ = call_fragment(spec, original, {**named, "hidden_states": extended}, 0, 0, f.length + k1)
     return out[..., k1:]
+
+
+def run_window(spec: WindowedModule, original: Callable, runs: LocalRuns, named: dict[str, Any],
+               window: int) -> Any:
+    """A windowed module (:class:`~.functions.WindowedModule`) once per fragment: ``(out, ...)`` with time axis 1.
+
+    A fragment at its document's start runs alone (the module's own zero padding is the document start). Under CP
+    a continuing fragment runs on the document's last ``min(window, earlier tokens)`` earlier inputs followed by its
+    own, and drops the outputs of the former; those inputs are the summaries ``[window, C]`` of the earlier
+    fragments (``W = window C`` floats, one all-gather per layer and direction as for the scans).
+    """
+    x = named[spec.sequence]  # [B, T, C]
+    mask = named.get(spec.mask) if spec.mask else None
+    if mask is not None:  # the module zeroes padded inputs itself; the sent windows must be zeroed the same way
+        x = x * mask[..., None].to(x.dtype)
+        named = {**named, spec.sequence: x, spec.mask: None}
+    channels = x.shape[-1]
+
+    def call(inputs: torch.Tensor, drop: int) -> tuple:
+        out = original(**{**named, spec.sequence: inputs})
+        parts = out if isinstance(out, tuple) else (out,)
+        return tuple(p[:, drop:] for p in parts)
+
+    cp = runs.cp_size > 1
+    frags = runs.plan.fragments[runs.context.cp_rank] if cp else runs.fragments
+    outputs: dict[int, tuple] = {}
+    for i, f in enumerate(frags):
+        if not (cp and f.continues):
+            outputs[i] = call(x[f.row:f.row + 1, f.start:f.start + f.length], 0)
+    if cp and runs.plan.slots:
+        plan, ctx = runs.plan, runs.context
+        rank = ctx.cp_rank
+        sent = []
+        for i in plan.send[rank]:
+            f = frags[i]
+            tail = x[f.row, f.start + max(0, f.length - window):f.start + f.length].float()  # [<= window, C]
+            sent.append(torch.nn.functional.pad(tail, (0, 0, window - tail.shape[0], 0)).flatten())
+        buffer = torch.zeros(plan.slots, window * channels, dtype=torch.float32, device=x.device)
+        if sent:
+            buffer = torch.cat([torch.stack(sent), buffer[len(sent):]])
+        if torch.is_grad_enabled() and not buffer.requires_grad:
+            buffer.requires_grad_()  # every rank joins the gather's backward (a reduce-scatter)
+        gather = _Gather(ctx.cp_size, rank, ctx.group, datetime.timedelta(seconds=ctx.config.collective_timeout_s),
+                         step_runtime(ctx).comm)
+        gathered = _AllGather.apply(buffer, gather)  # [P * slots, window * C]
+        for i, srcs in plan.sources[rank].items():
+            f = frags[i]
+            lengths = [plan.fragments[r][plan.send[r][s]].length for r, s in srcs]
+            parts = [gathered[r * plan.slots + s].view(window, channels)[window - min(n, window):]
+                     for (r, s), n in zip(srcs, lengths)]
+            earlier = min(window, f.global_start - f.doc_start)
+            history = torch.cat(parts)[-earlier:].to(x.dtype)[None]  # [1, earlier, C]
+            outputs[i] = call(torch.cat([history, x[f.row:f.row + 1, f.start:f.start + f.length]], 1), earlier)
+        anchor = (gathered.sum() * 0)  # every rank runs the gather's backward, also one that uses none of it
+    else:
+        anchor = None
+    rows = []
+    for row in range(runs.batch_size):
+        pieces = [outputs[i] for i, f in enumerate(frags) if f.row == row]
+        rows.append(tuple(torch.cat(ps, 1) for ps in zip(*pieces)))
+    out = tuple(torch.cat(ps, 0) for ps in zip(*rows))
+    if anchor is not None:
+        out = tuple(o + anchor.to(o.dtype) for o in out)
+    return out if len(out) > 1 else out[0]

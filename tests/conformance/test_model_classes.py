@@ -175,6 +175,17 @@ def test_models_that_mix_documents_outside_attention_are_refused(model_type, cau
     assert model_type in message and cause in message
 
 
+@pytest.mark.parametrize("model_type,missing", [
+    ("minimax", "minimax's lightning attention (MiniMaxLightningAttention at model.layers.1.self_attn) has no "
+                "per-document reset or state passing in blockdiag_cp yet"),
+    ("inkling2_text", "inkling2_text's dynamic short convolution with per-token taps, outside transformers' "
+                      "replaceable causal_conv1d functions (Inkling2DynamicShortConvolution at "
+                      "model.layers.1.self_attn.k_proj.sconv) has no per-document reset"),
+])
+def test_refusal_names_the_mixer_that_is_missing(model_type, missing):
+    assert missing in _refusal(model_type)
+
+
 def test_refused_mixers_still_run_one_document_per_row():
     stock, ours, docs = _pair("bamba")
     ids = docs[2][None]

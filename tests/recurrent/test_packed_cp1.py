@@ -3,7 +3,10 @@
 Reference: each document alone through the unmodified model (stock attention, no packing, transformers' own
 torch scans). Compared: the packed row through ``blockdiag_cp`` (packed ``position_ids``, ``cu_seq_lens_*`` from
 ``DataCollatorWithFlattening``, ``PackingCollator`` batches) — logits and every parameter's gradient. One family
-per kind of mixer: gated delta rule, KDA, Mamba2/SSD, Mamba1 (a layer that drops the model's kwargs), short conv.
+per kind of mixer: gated delta rule, KDA, Mamba2/SSD, Mamba1 (a layer that drops the model's kwargs), short conv;
+the fast set also covers the other architectures whose mixers route through the same served functions (lara_mini: gated
+delta rule; bailing_hybrid: KDA; zamba: Mamba1; lfm3: short convolutions) and zaya, whose plain ``nn.Conv1d``
+projection is served as a whole module per fragment (``WINDOWED``).
 """
 
 from __future__ import annotations
@@ -25,10 +28,10 @@ from hf_blockdiag_cp.conformance.runs import (
     reference_run,
 )
 from hf_blockdiag_cp.model.detect import packing_refusal
-from hf_blockdiag_cp.recurrent.functions import COMPOSITES, FUSED, SCANS, mixer_functions
+from hf_blockdiag_cp.recurrent.functions import COMPOSITES, FUSED, SCANS, WINDOWED, mixer_functions
 from hf_blockdiag_cp.recurrent.install import INSTALLED_ATTR, check_signature, uninstall_recurrent
 
-FAST = ("qwen3_next", "bamba", "mamba", "lfm2")
+FAST = ("qwen3_next", "bamba", "mamba", "lfm2", "zamba", "lara_mini", "bailing_hybrid", "lfm3", "zaya")
 SLOW = ("kimi_linear", "jamba", "nemotron_h", "olmo_hybrid")
 
 
@@ -71,8 +74,11 @@ def test_without_the_per_document_scans_packing_leaks() -> None:
     assert (logits - ref_logits).abs().max() > 1e-3
 
 
-@pytest.mark.parametrize("model_type", [*FAST, *SLOW, "qwen3_5_text", "zamba2", "mamba2", "falcon_mamba",
-                                        "granitemoehybrid", "falcon_h1", "lfm2_moe"])
+# qwen4_exp_text and inkling_text: their mixers are served; the models are refused for other reasons (a mask read
+# by the model itself, an additive position bias), see docs/hybrid.md.
+@pytest.mark.parametrize("model_type", [*(m for m in FAST if m != "zaya"), *SLOW, "qwen3_5_text", "zamba2", "mamba2",
+                                        "falcon_mamba", "granitemoehybrid", "falcon_h1", "lfm2_moe", "qwen4_exp_text",
+                                        "inkling_text"])
 def test_mixers_are_served_and_transformers_names_still_match(model_type: str) -> None:
     """Every recurrent mixer's replaceable functions are known, the served ones have the parameters the package
     binds, and they were replaced on the instance (a transformers rename fails here)."""
@@ -106,3 +112,19 @@ def test_a_later_direct_call_of_the_inner_model_does_not_reuse_the_held_fragment
         want = stock.model(row, use_cache=False).last_hidden_state
         got = ours.model(row, use_cache=False).last_hidden_state
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("model_type,cls_name", [("zaya", "ZayaCCAProjection")])
+def test_windowed_modules_are_served_and_transformers_names_still_match(model_type: str, cls_name: str) -> None:
+    """The modules served whole per fragment still exist under their name, take the parameters the package binds
+    and hold the window attribute (a transformers rename fails here), and got the instance forward."""
+    spec = WINDOWED[cls_name]
+    model = build_model(tiny_config(model_type), "blockdiag_cp")
+    assert packing_refusal(model) is None
+    modules = [m for m in model.modules() if type(m).__name__ == cls_name]
+    assert modules, f"{model_type}: no {cls_name} (transformers renamed it?)"
+    params = tuple(inspect.signature(type(modules[0]).forward).parameters)[1:]
+    assert params[:len(spec.params)] == spec.params, params
+    for module in modules:
+        assert INSTALLED_ATTR in module.__dict__
+        assert int(getattr(module, spec.window_attr)) >= 1

@@ -35,6 +35,14 @@ CASES = [
     ("lfm2", "balanced", False, False),
     ("mamba", "contiguous", True, False),
 ]
+# Architectures whose mixers route through the same served functions (gated delta rule, KDA, Mamba1, short conv).
+MORE_CASES = [
+    ("lara_mini", "zigzag", False, False),
+    ("bailing_hybrid", "balanced", False, False),
+    ("zamba", "zigzag", False, False),
+    ("lfm3", "contiguous", False, False),
+    ("zaya", "zigzag", False, False),
+]
 
 
 def _docs(lengths: list[int], vocab: int) -> list[torch.Tensor]:
@@ -54,7 +62,7 @@ def expected_bytes(model: torch.nn.Module, slots: int, cp_size: int) -> int:
     return total
 
 
-def _worker(rank: int, world: int) -> dict:
+def _worker(rank: int, world: int, cases: list[tuple] | None = None) -> dict:
     import torch.distributed as dist
 
     import hf_blockdiag_cp as bd
@@ -64,9 +72,10 @@ def _worker(rank: int, world: int) -> dict:
     from hf_blockdiag_cp.recurrent.runs import _cached_plan
 
     report = {}
-    configs = {kind: tiny_config(kind) for kind in {c[0] for c in CASES}}
+    cases = CASES if cases is None else cases
+    configs = {kind: tiny_config(kind) for kind in {c[0] for c in cases}}
     for layout, lengths in LAYOUTS.items():
-        for kind, placement, checkpointing, bf16 in CASES:
+        for kind, placement, checkpointing, bf16 in cases:
             config = configs[kind]
             docs = _docs(lengths, config.vocab_size)
             ref_logits, ref_grads = documents_alone(kind, docs, build_model(config, None).train(),
@@ -116,6 +125,14 @@ def _check(reports: list[dict], world: int) -> None:
 @pytest.mark.parametrize("world", [2, 4])
 def test_training_step_matches_documents_alone(world: int) -> None:
     _check(run_ranks(_worker, world, timeout=900), world)
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_more_architectures_match_documents_alone_at_cp2() -> None:
+    """lara_mini, bailing_hybrid, zamba, lfm3 on 2 ranks (served by the same functions as the families above) and
+    zaya (its convolution module served whole, the last inputs passed between ranks)."""
+    _check(run_ranks(_worker, 2, MORE_CASES, timeout=900), 2)
 
 
 def _brute_sources(ids: torch.Tensor, index: torch.Tensor) -> dict:
