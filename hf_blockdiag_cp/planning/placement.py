@@ -342,8 +342,22 @@ def _placement_of_ranges(ranges: list[list[tuple[int, int]]], room: list[int], s
         lengths.extend(b - a for a, b in pieces)
     start = np.asarray(starts, dtype=np.int64)
     length = np.asarray(lengths, dtype=np.int64)
-    index = np.repeat(start - (np.cumsum(length) - length), length) + np.arange(full_len, dtype=np.int64)
-    return Placement("balanced", torch.from_numpy(index).view(cp_size, local_len))
+    row_start = np.cumsum(length) - length  # flat [P * L] row of each piece, rank-major
+    index = np.repeat(start - row_start, length) + np.arange(full_len, dtype=np.int64)
+    placement = Placement("balanced", torch.from_numpy(index).view(cp_size, local_len))
+    # Its runs are known here (the pieces, merged where one continues the previous on the same rank): set the
+    # cached property, so no pass over ``index`` recomputes them.
+    keep = length > 0
+    start, length, row_start = start[keep], length[keep], row_start[keep]
+    rank = row_start // max(local_len, 1)
+    fresh = np.ones(start.size, dtype=bool)
+    fresh[1:] = (start[1:] != start[:-1] + length[:-1]) | (rank[1:] != rank[:-1])
+    first = np.flatnonzero(fresh)
+    merged = np.add.reduceat(length, first) if first.size else length[first]
+    order = np.argsort(start[first], kind="stable")
+    placement.__dict__["runs"] = PlacementRuns(start[first][order], merged[order].astype(np.int64),
+                                                rank[first][order], (row_start[first] % max(local_len, 1))[order])
+    return placement
 
 
 def _cheapest_split(docs: list[int], excess: float, spans: list[tuple[int, int]], parts: list[int],
