@@ -409,8 +409,9 @@ def _assign(spans: list[tuple[int, int]], parts: list[int], cp_size: int, local_
             fits = [r for r in range(cp_size) if r not in holding] or list(range(cp_size))
             rank = min(fits, key=lambda r: (load[r], -room[r]))
         else:
-            for _, _, r in order:
-                if room[r] >= tokens:
+            least = -tokens  # entries carry -room: a rank fits when -room <= -tokens
+            for _, neg_room, r in order:
+                if neg_room <= least:
                     if r not in holding:
                         rank = r
                         break
