@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 
 __all__ = [
@@ -83,9 +84,11 @@ def document_spans(row: torch.Tensor) -> list[tuple[int, int]]:
     n = int(row.numel())
     if n == 0:
         return []
-    starts = torch.nonzero(run_boundaries(row)).flatten()
-    ends = torch.cat([starts[1:], torch.tensor([n])])
-    keep = row[starts] != 0
+    # One numpy pass (the row is on the host): the positions where the id changes start the runs.
+    ids = row.detach().reshape(-1).cpu().numpy()
+    starts = np.concatenate([[0], np.flatnonzero(ids[1:] != ids[:-1]) + 1])
+    ends = np.append(starts[1:], n)
+    keep = ids[starts] != 0
     return list(zip(starts[keep].tolist(), ends[keep].tolist()))
 
 

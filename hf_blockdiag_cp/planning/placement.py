@@ -23,7 +23,6 @@ sliding window ``w``); a rank's work is the sum over its queries, averaged over 
 from __future__ import annotations
 
 import bisect
-import heapq
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -343,8 +342,22 @@ def _placement_of_ranges(ranges: list[list[tuple[int, int]]], room: list[int], s
         lengths.extend(b - a for a, b in pieces)
     start = np.asarray(starts, dtype=np.int64)
     length = np.asarray(lengths, dtype=np.int64)
-    index = np.repeat(start - (np.cumsum(length) - length), length) + np.arange(full_len, dtype=np.int64)
-    return Placement("balanced", torch.from_numpy(index).view(cp_size, local_len))
+    row_start = np.cumsum(length) - length  # flat [P * L] row of each piece, rank-major
+    index = np.repeat(start - row_start, length) + np.arange(full_len, dtype=np.int64)
+    placement = Placement("balanced", torch.from_numpy(index).view(cp_size, local_len))
+    # Its runs are known here (the pieces, merged where one continues the previous on the same rank): set the
+    # cached property, so no pass over ``index`` recomputes them.
+    keep = length > 0
+    start, length, row_start = start[keep], length[keep], row_start[keep]
+    rank = row_start // max(local_len, 1)
+    fresh = np.ones(start.size, dtype=bool)
+    fresh[1:] = (start[1:] != start[:-1] + length[:-1]) | (rank[1:] != rank[:-1])
+    first = np.flatnonzero(fresh)
+    merged = np.add.reduceat(length, first) if first.size else length[first]
+    order = np.argsort(start[first], kind="stable")
+    placement.__dict__["runs"] = PlacementRuns(start[first][order], merged[order].astype(np.int64),
+                                                rank[first][order], (row_start[first] % max(local_len, 1))[order])
+    return placement
 
 
 def _cheapest_split(docs: list[int], excess: float, spans: list[tuple[int, int]], parts: list[int],
@@ -384,75 +397,42 @@ def _assign(spans: list[tuple[int, int]], parts: list[int], cp_size: int, local_
     room = [local_len] * cp_size
     placed: list[list[_Item]] = [[] for _ in range(cp_size)]
     spilled: list[int] = []
-    # Ranks ordered by (load, -room, rank) in a heap with lazy deletion (an entry is current while it matches
-    # the rank's numbers): the first rank in that order that fits is the one a scan over every rank picks.
-    # When the first few ranks do not fit (late in a full row), one vectorised scan finds it instead.
-    heap = [(0.0, -local_len, r) for r in range(cp_size)]
-    load_np = np.zeros(cp_size)
-    room_np = np.full(cp_size, local_len, dtype=np.int64)
+    # The rank of each item is the first in (load, -room, rank) order that has room for it, preferring ranks not
+    # holding the document already. ``order`` keeps the ranks with room in that order (a sorted list: one bisect
+    # out and one in per item), so the scan stops at the first fitting rank, skipping only nearly full ones.
+    order = [(0.0, -local_len, r) for r in range(cp_size)]
     ranks_of: dict[int, list[int]] = {}
     for item in items:
-        first_fit, rank, popped = None, None, []
+        tokens, rank, first_fit = item.tokens, None, None
         holding = ranks_of.get(item.doc, ())
-        if item.tokens == 0:  # fits a full rank too (not in the heap): scan every rank
+        if tokens == 0:  # fits a full rank too (not in ``order``): look at every rank
             fits = [r for r in range(cp_size) if r not in holding] or list(range(cp_size))
             rank = min(fits, key=lambda r: (load[r], -room[r]))
-        while heap and rank is None and len(popped) < _HEAP_SCAN:
-            entry = heapq.heappop(heap)
-            work, neg_room, r = entry
-            if work != load[r] or -neg_room != room[r]:
-                continue  # stale
-            popped.append(entry)
-            if room[r] >= item.tokens:
-                if r not in holding:
-                    rank = r
-                    break
-                if first_fit is None:
-                    first_fit = r
-        for entry in popped:
-            if entry[2] != rank:
-                heapq.heappush(heap, entry)
-        if rank is None and len(popped) >= _HEAP_SCAN:
-            rank = _lightest_fit(load_np, room_np, item.tokens, holding)
-        elif rank is None:
-            rank = first_fit
+        else:
+            least = -tokens  # entries carry -room: a rank fits when -room <= -tokens
+            for _, neg_room, r in order:
+                if neg_room <= least:
+                    if r not in holding:
+                        rank = r
+                        break
+                    if first_fit is None:
+                        first_fit = r
+            if rank is None:
+                rank = first_fit
         if rank is None:
             _spill(item, spans[item.doc][0], windows, load, room, placed)
             spilled.append(item.doc)
-            load_np[:], room_np[:] = load, room
-            heap = [(load[r], -room[r], r) for r in range(cp_size) if room[r] > 0]
-            heapq.heapify(heap)
+            order = sorted((load[r], -room[r], r) for r in range(cp_size) if room[r] > 0)
             continue
+        if room[rank] > 0:
+            del order[bisect.bisect_left(order, (load[rank], -room[rank], rank))]
         placed[rank].append(item)
         ranks_of.setdefault(item.doc, []).append(rank)
         load[rank] += item.work
         room[rank] -= item.tokens
-        load_np[rank], room_np[rank] = load[rank], room[rank]
-        if room[rank] > 0:  # a full rank fits nothing more (every item holds a token)
-            heapq.heappush(heap, (load[rank], -room[rank], rank))
+        if room[rank] > 0:  # a full rank fits nothing more (every other item holds a token)
+            bisect.insort(order, (load[rank], -room[rank], rank))
     return placed, load, room, spilled
-
-
-#: Current heap entries :func:`_assign` looks at before one vectorised scan over every rank.
-_HEAP_SCAN = 4
-
-
-def _lightest_fit(load: np.ndarray, room: np.ndarray, tokens: int, holding: Sequence[int]) -> int | None:
-    """The first rank in ``(load, -room, rank)`` order with ``room >= tokens``, preferring ranks not in ``holding``."""
-    masked = np.where(room >= tokens, load, np.inf)
-    if holding:
-        kept = masked[holding]
-        masked[holding] = np.inf
-        if np.isinf(masked).all():  # only ranks holding the document fit (or none): take those
-            masked[holding] = kept
-    lightest = masked.min()
-    if lightest == np.inf:
-        return None
-    candidates = np.flatnonzero(masked == lightest)
-    if candidates.size > 1:
-        most = room[candidates]
-        candidates = candidates[most == most.max()]
-    return int(candidates[0])
 
 
 def _improve(placed: list[list[_Item]], load: list[float], room: list[int], *, steps: int = 8,
