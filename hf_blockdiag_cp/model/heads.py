@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from ..errors import UnsupportedModel
 from ..planning.layout import HeadShape
 
 __all__ = ["config_int", "config_values", "head_shape", "text_config"]
@@ -43,7 +44,8 @@ def config_int(config: object, name: str) -> int:
 def head_shape(config: object) -> HeadShape:
     """The attention heads of a transformers model config (or a model: its ``.config``; multimodal
     configs: their text config). MLA configs (``qk_nope_head_dim + qk_rope_head_dim``, ``v_head_dim``)
-    give ``D != Dv``. ``ValueError`` when the config does not name its heads."""
+    give ``D != Dv``. :class:`UnsupportedModel` when the config has no attention heads (a pure state-space
+    model), ``ValueError`` when it names them in a form this function does not read."""
     config = text_config(getattr(config, "config", config))
 
     def one(name: str) -> Any:
@@ -55,6 +57,11 @@ def head_shape(config: object) -> HeadShape:
         return values.pop()
 
     hq = one("num_attention_heads")
+    if hq is None:  # a pure state-space model (mamba, mamba2, falcon_mamba): no attention heads to split
+        raise UnsupportedModel(
+            f"{type(config).__name__} names no attention heads (num_attention_heads): a head-parallel layout "
+            "(ulysses_size > 1) splits attention heads, and this model's recurrent layers pass their states between "
+            "sequence shards only; use ulysses_size=1 (or pass heads=HeadShape(...) if its heads go by another name)")
     if not isinstance(hq, int):
         raise ValueError(f"{type(config).__name__} has no int num_attention_heads; pass heads=HeadShape(...)")
     hkv = one("num_key_value_heads") or hq

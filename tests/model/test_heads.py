@@ -33,5 +33,21 @@ def test_head_shape_from_model_configs():
     mla = SimpleNamespace(num_attention_heads=8, num_key_value_heads=8, qk_nope_head_dim=16, qk_rope_head_dim=8,
                           v_head_dim=12, hidden_size=64)
     assert head_shape(mla) == HeadShape(8, 8, 24, 12)
-    with pytest.raises(ValueError, match="num_attention_heads"):
+    with pytest.raises(NotImplementedError, match="num_attention_heads"):  # no heads: refused, the cause named
         head_shape(SimpleNamespace(hidden_size=8))
+    with pytest.raises(ValueError, match="num_attention_heads"):
+        head_shape(SimpleNamespace(num_attention_heads="8", hidden_size=8))
+
+
+def test_a_model_without_attention_heads_refuses_the_head_parallel_layout():
+    """Pure state-space models (mamba, mamba2, falcon_mamba) have no heads to split: a head-parallel collator is
+    refused with the cause (the sweep's CP = 2, u = 2 pass found a ValueError there)."""
+    import transformers
+
+    from hf_blockdiag_cp import PackingCollator, UnsupportedModel
+
+    config = transformers.MambaConfig(vocab_size=97, hidden_size=16, num_hidden_layers=1)
+    with pytest.raises(UnsupportedModel, match="names no attention heads.*ulysses_size=1"):
+        head_shape(config)
+    with pytest.raises(NotImplementedError, match="names no attention heads"):
+        PackingCollator(64, cp_size=2, cp_rank=0, pad_token_id=0, ulysses_size=2, model_config=config)
