@@ -1,5 +1,5 @@
-"""Issue 17, fault matrix rows (real gloo ranks at CP=2, T = 5 s), on the harness of
-``tests/distributed/test_faults.py`` (imported, not copied): every rank either raises the documented,
+"""Issue 17, fault matrix rows (real gloo ranks at CP=2, T = 5 s), on the shared harness
+``tests/distributed/fault_harness.py`` (imported, not copied): every rank either raises the documented,
 clear error within ``T`` + 30 s, or the result is exact; never a finished step with wrong numbers,
 never SIGABRT.
 
