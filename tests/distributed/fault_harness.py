@@ -104,6 +104,17 @@ class _PatchedKernel:
         self.module.attention = self.original
 
 
+def _step_with_faulty_kernel(rank, world, mesh, config, make) -> None:
+    """One step of every rank, the kernel replaced by ``make(original)`` on the faulty rank only."""
+    ctx, ids, pos = _context(rank, world, mesh["cp"].get_group(), config)
+    model = _model()
+    if rank != FAULTY:
+        _step(model, ctx, ids, pos)
+        return
+    with _PatchedKernel(make):
+        _step(model, ctx, ids, pos)
+
+
 # ---- scenarios: (rank, world, mesh, config) -> None, raising what the fault gives this rank --------------
 
 
@@ -113,12 +124,7 @@ def _kernel_forward(rank, world, mesh, config):
             raise RuntimeError("injected kernel fault")
         return broken
 
-    ctx, ids, pos = _context(rank, world, mesh["cp"].get_group(), config)
-    model = _model()
-    if rank != FAULTY:
-        return _step(model, ctx, ids, pos)
-    with _PatchedKernel(make):
-        _step(model, ctx, ids, pos)
+    _step_with_faulty_kernel(rank, world, mesh, config, make)
 
 
 def _kernel_backward(rank, world, mesh, config):
@@ -138,12 +144,7 @@ def _kernel_backward(rank, world, mesh, config):
             return RaiseInBackward.apply(original(*args, **kwargs))
         return broken
 
-    ctx, ids, pos = _context(rank, world, mesh["cp"].get_group(), config)
-    model = _model()
-    if rank != FAULTY:
-        return _step(model, ctx, ids, pos)
-    with _PatchedKernel(make):
-        _step(model, ctx, ids, pos)
+    _step_with_faulty_kernel(rank, world, mesh, config, make)
 
 
 def _sleep_past_timeout(rank, world, mesh, config):
@@ -201,13 +202,7 @@ def _sigkill(rank, world, mesh, config):
             return original(*args, **kwargs)
         return dying
 
-    halo = dataclasses.replace(config, kv_exchange="halo")
-    ctx, ids, pos = _context(rank, world, mesh["cp"].get_group(), halo)
-    model = _model()
-    if rank != FAULTY:
-        return _step(model, ctx, ids, pos)
-    with _PatchedKernel(make):
-        _step(model, ctx, ids, pos)
+    _step_with_faulty_kernel(rank, world, mesh, dataclasses.replace(config, kv_exchange="halo"), make)
 
 
 def _ddp_step(rank, world, mesh, config, *, stall_collator: bool, stall_backward: bool):

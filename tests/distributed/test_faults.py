@@ -1,15 +1,7 @@
 """Issue 13 acceptance 1: the fault matrix. Real gloo ranks at CP=2 (and one case at CP=4); a fault is
 injected on one rank and every surviving rank must raise the documented error within
-``collective_timeout_s`` + 30 s (docs/errors.md lists what each fault gets).
-
-Several scenarios share one spawn: each starts a fresh process group and mesh through
-``hf_blockdiag_cp.init_device_mesh`` (so the groups get the package's timeout, as in training), and a
-rank that fails destroys its group as a dying process would close its sockets. A control store
-(not a process group) lines the ranks up between scenarios. The test process serves every store (the
-control store and one per scenario's group: a group leaves keys behind), so a rank that dies cannot take
-the rendezvous of the others down. Times are measured on every rank from the
-start of its scenario to its error, and printed (``pytest -s``) for the report.
-"""
+``collective_timeout_s`` + 30 s (docs/errors.md lists what each fault gets). How the scenarios share a spawn
+and who serves the stores: tests/distributed/fault_harness.py."""
 
 from __future__ import annotations
 
