@@ -11,8 +11,8 @@ import datetime
 import os
 from dataclasses import dataclass, field
 
-__all__ = ["ATTN_IMPLEMENTATION", "BACKENDS", "KV_EXCHANGES", "PLACEMENTS", "BlockDiagCPConfig", "ENV_VARS",
-           "add_backend_name", "backend_choices"]
+__all__ = ["ATTN_IMPLEMENTATION", "BACKENDS", "KV_EXCHANGES", "PLACEMENTS", "RECURRENT_LAYOUTS", "BlockDiagCPConfig",
+           "ENV_VARS", "add_backend_name", "backend_choices"]
 
 #: The name this package registers with transformers (``attn_implementation="blockdiag_cp"``).
 ATTN_IMPLEMENTATION = "blockdiag_cp"
@@ -37,6 +37,10 @@ def backend_choices() -> tuple[str, ...]:
 KV_EXCHANGES: tuple[str, ...] = ("auto", "allgather", "halo", "a2a")
 #: Which row positions each CP rank holds (see :mod:`hf_blockdiag_cp.planning.placement`).
 PLACEMENTS: tuple[str, ...] = ("balanced", "contiguous", "zigzag")
+#: How recurrent layers (scans, causal convolutions) run under CP: ``"state"`` passes fragment summaries between the
+#: sequence shards (:mod:`hf_blockdiag_cp.recurrent.state_passing`), ``"heads"`` splits their heads over the CP group
+#: and runs whole rows (:mod:`hf_blockdiag_cp.recurrent.head_parallel`).
+RECURRENT_LAYOUTS: tuple[str, ...] = ("state", "heads")
 
 #: Environment variable overriding the default of each field.
 ENV_VARS: dict[str, str] = {
@@ -51,6 +55,7 @@ ENV_VARS: dict[str, str] = {
     "balance_tolerance": "HF_BLOCKDIAG_CP_BALANCE_TOLERANCE",
     "ulysses_size": "HF_BLOCKDIAG_CP_ULYSSES_SIZE",
     "layout_flops_per_byte": "HF_BLOCKDIAG_CP_LAYOUT_FLOPS_PER_BYTE",
+    "recurrent_layout": "HF_BLOCKDIAG_CP_RECURRENT_LAYOUT",
 }
 
 #: Longest collective timeout accepted (a year): ``datetime.timedelta`` and the process-group
@@ -169,6 +174,14 @@ class BlockDiagCPConfig:
             450 GB/s, one NVLink H100/H200 node). Larger: bytes dearer against compute, so layouts
             moving fewer bytes win more often (see :mod:`hf_blockdiag_cp.planning.layout`).
             Env: ``HF_BLOCKDIAG_CP_LAYOUT_FLOPS_PER_BYTE``.
+        recurrent_layout: how recurrent layers (Mamba2/SSD and gated delta rule scans, causal convolutions) run
+            under CP, one of :data:`RECURRENT_LAYOUTS`: ``"state"`` (default) keeps them on the sequence shards
+            and passes each fragment's fixed-size summary between ranks (one all-gather per layer and direction,
+            bytes independent of the row length); ``"heads"`` is the head-parallel fallback: every rank gets the
+            whole row for ``1 / P`` of the layer's heads (channels) by an all-to-all over the CP group, runs each
+            document whole and sends the outputs back (bytes grow with the row; see docs/layouts.md). Part of
+            the step's plan fingerprint (all ranks agree before a recurrent collective).
+            Env: ``HF_BLOCKDIAG_CP_RECURRENT_LAYOUT``.
     """
 
     backend: str = field(default_factory=lambda: _env_str("backend", "auto"))
@@ -183,6 +196,7 @@ class BlockDiagCPConfig:
     ulysses_size: int | str = field(default_factory=_env_ulysses_size)
     layout_flops_per_byte: float = field(
         default_factory=lambda: _env_float("layout_flops_per_byte", DEFAULT_LAYOUT_FLOPS_PER_BYTE))
+    recurrent_layout: str = field(default_factory=lambda: _env_str("recurrent_layout", "state"))
 
     def __post_init__(self) -> None:
         backends = backend_choices()
@@ -196,6 +210,10 @@ class BlockDiagCPConfig:
             raise ValueError(f"placement={self.placement!r} (env {ENV_VARS['placement']}) is not one of "
                              f"{', '.join(PLACEMENTS)}")
         object.__setattr__(self, "placement", self.placement.lower())
+        if not isinstance(self.recurrent_layout, str) or self.recurrent_layout.lower() not in RECURRENT_LAYOUTS:
+            raise ValueError(f"recurrent_layout={self.recurrent_layout!r} (env {ENV_VARS['recurrent_layout']}) is not "
+                             f"one of {', '.join(RECURRENT_LAYOUTS)}")
+        object.__setattr__(self, "recurrent_layout", self.recurrent_layout.lower())
         tolerance = self.balance_tolerance
         if isinstance(tolerance, bool) or not isinstance(tolerance, (int, float)) or not 0 <= tolerance < 10:
             raise ValueError(f"balance_tolerance={tolerance!r} (env {ENV_VARS['balance_tolerance']}) must be a "

@@ -90,7 +90,7 @@ def _check_topology(ranks: list[int], sizes: list[int], group_size: int) -> None
 
 
 #: The plan fields users set (the rest are derived from them and the data).
-_REQUESTS = frozenset((*PLAN_FIELDS[:5], "ulysses_size", "ulysses_groups"))
+_REQUESTS = frozenset((*PLAN_FIELDS[:5], "ulysses_size", "ulysses_groups", "recurrent_layout"))
 
 
 def _plan_mismatch(plans: list[int], fields: list[list[int]]) -> str:

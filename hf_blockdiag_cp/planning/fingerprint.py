@@ -10,7 +10,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..config import KV_EXCHANGES, PLACEMENTS, BlockDiagCPConfig, backend_choices
+from ..config import KV_EXCHANGES, PLACEMENTS, RECURRENT_LAYOUTS, BlockDiagCPConfig, backend_choices
 
 __all__ = ["PLAN_FIELDS", "PlanFingerprint", "checksum_weights", "describe_plan_field", "fingerprint",
            "plan_fingerprint", "shard_checksum", "shard_checksums"]
@@ -32,7 +32,7 @@ def fingerprint(*parts: bytes | memoryview | np.ndarray) -> int:
 #: so that a mismatch can be quoted with each rank's value; the rest are hashes of derived facts.
 PLAN_FIELDS: tuple[str, ...] = ("cp_size", "placement", "balance_tolerance", "kv_exchange", "backend",
                                 "sliding_windows", "placement_rows", "exchange_strategies", "ulysses_size", "layout",
-                                "ulysses_groups")
+                                "ulysses_groups", "recurrent_layout")
 
 
 class PlanFingerprint(int):
@@ -87,6 +87,8 @@ def plan_fingerprint(config: BlockDiagCPConfig, *, cp_size: int, placement_kind:
         "ulysses_size": ulysses_size,
         "layout": 0 if layout is None else fingerprint(layout),
         "ulysses_groups": ulysses_groups,
+        # Recurrent layers issue different collectives per layout (all-gather vs all-to-all): agreed like a request.
+        "recurrent_layout": RECURRENT_LAYOUTS.index(config.recurrent_layout),
     })
 
 
@@ -104,7 +106,8 @@ def describe_plan_field(name: str, value: int) -> str:
     """``value`` of plan field ``name`` as a user would write it (hashes are quoted as such)."""
     if name in ("cp_size", "ulysses_size"):
         return str(value)
-    choices = {"placement": PLACEMENTS, "kv_exchange": KV_EXCHANGES, "backend": backend_choices()}.get(name)
+    choices = {"placement": PLACEMENTS, "kv_exchange": KV_EXCHANGES, "backend": backend_choices(),
+               "recurrent_layout": RECURRENT_LAYOUTS}.get(name)
     if choices is not None:
         return repr(choices[value]) if 0 <= value < len(choices) else f"another (hash {value:#x})"
     if name == "balance_tolerance":

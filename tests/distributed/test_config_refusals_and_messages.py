@@ -51,6 +51,7 @@ def test_collective_timeout_env_refusals_name_the_variable(monkeypatch, raw):
     ("balance_tolerance", "tight"),
     ("balance_tolerance", "-0.1"),
     ("collective_timeout_s", "0.0001"),
+    ("recurrent_layout", "rings"),
 ])
 def test_every_invalid_env_value_names_its_variable(monkeypatch, field, raw):
     monkeypatch.setenv(ENV_VARS[field], raw)
@@ -97,6 +98,8 @@ def _fields(rank: int, config: BlockDiagCPConfig, placement: str | None = None) 
      ("balanced", "balanced"), "balance_tolerance (rank 0: 0.05, rank 1: 0.5)"),
     ("kv_exchange", (BlockDiagCPConfig(kv_exchange="halo"), BlockDiagCPConfig(kv_exchange="a2a")),
      ("contiguous", "contiguous"), "kv_exchange (rank 0: 'halo', rank 1: 'a2a')"),
+    ("recurrent_layout", (BlockDiagCPConfig(recurrent_layout="state"), BlockDiagCPConfig(recurrent_layout="heads")),
+     (None, None), "recurrent_layout (rank 0: 'state', rank 1: 'heads')"),
 ])
 def test_plan_mismatch_names_the_field_with_each_ranks_value(differ, configs, placements, fragment):
     rows = [_fields(rank, config, placement) for rank, (config, placement) in enumerate(zip(configs, placements))]
