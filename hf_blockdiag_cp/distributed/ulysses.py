@@ -33,8 +33,8 @@ from ..planning.layout import HeadSplit
 from .exchange import CommStats, check_usable, failed, wait
 from .groups import group_to_ref, ref_to_group
 
-__all__ = ["HeadA2A", "UlyssesGroups", "create_ulysses_groups", "heads_to_tokens", "new_subgroups", "subgroup_ranks",
-           "tokens_to_heads"]
+__all__ = ["HeadA2A", "UlyssesGroups", "create_ulysses_groups", "gather_heads", "heads_to_tokens", "new_subgroups",
+           "scatter_heads", "subgroup_ranks", "tokens_to_heads"]
 
 
 @dataclass(frozen=True, eq=False)
@@ -142,34 +142,36 @@ def _check(name: str, x: torch.Tensor, heads: int, u: int, tokens: int | None = 
 
 
 class _HeadsToTokens(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ex: HeadA2A):  # type: ignore[override]
-        ctx.ex, ctx.kv_heads = ex, k.shape[1]
-        # Replicated K/V heads (Hkv < u) are duplicated here, one copy per rank that uses them.
-        k_out = k.index_select(1, ex.kv_index)
-        v_out = v.index_select(1, ex.kv_index)
-        return tuple(_scatter_heads([q, k_out, v_out], ex, "Ulysses q/k/v all-to-all", "forward"))
+    """``n_heads`` tensors split by head, then tensors split by K/V head (group), in one all-to-all each way."""
 
     @staticmethod
-    def backward(ctx, grad_q: torch.Tensor, grad_k: torch.Tensor, grad_v: torch.Tensor):  # type: ignore[override]
+    def forward(ctx, ex: HeadA2A, n_heads: int, what: str, *tensors: torch.Tensor):  # type: ignore[override]
+        ctx.ex, ctx.n_heads, ctx.what = ex, n_heads, what
+        ctx.group_heads = [t.shape[1] for t in tensors[n_heads:]]
+        # Replicated K/V heads (Hkv < u) are duplicated here, one copy per rank that uses them.
+        parts = [*tensors[:n_heads], *(t.index_select(1, ex.kv_index) for t in tensors[n_heads:])]
+        return tuple(_scatter_heads(parts, ex, f"{what} all-to-all", "forward"))
+
+    @staticmethod
+    def backward(ctx, *grads: torch.Tensor):  # type: ignore[override]
         ex: HeadA2A = ctx.ex
-        gq, gk, gv = _gather_heads([grad_q, grad_k, grad_v], ex, "Ulysses q/k/v gradient all-to-all", "backward")
+        back = _gather_heads(list(grads), ex, f"{ctx.what} gradient all-to-all", "backward")
         # Every copy of a K/V head sent forward returns its gradient: they add up in the original head.
-        k_grad = gk.new_zeros(gk.shape[0], ctx.kv_heads, *gk.shape[2:]).index_add_(1, ex.kv_index, gk)
-        v_grad = gv.new_zeros(gv.shape[0], ctx.kv_heads, *gv.shape[2:]).index_add_(1, ex.kv_index, gv)
-        return gq, k_grad, v_grad, None
+        grouped = [g.new_zeros(g.shape[0], heads, *g.shape[2:]).index_add_(1, ex.kv_index, g)
+                   for g, heads in zip(back[ctx.n_heads:], ctx.group_heads)]
+        return (None, None, None, *back[:ctx.n_heads], *grouped)
 
 
 class _TokensToHeads(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, out: torch.Tensor, ex: HeadA2A) -> torch.Tensor:  # type: ignore[override]
-        ctx.ex = ex
-        return _gather_heads([out], ex, "Ulysses output all-to-all", "forward")[0]
+    def forward(ctx, ex: HeadA2A, what: str, *outs: torch.Tensor):  # type: ignore[override]
+        ctx.ex, ctx.what = ex, what
+        return tuple(_gather_heads(list(outs), ex, f"{what} all-to-all", "forward"))
 
     @staticmethod
-    def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
+    def backward(ctx, *grads: torch.Tensor):  # type: ignore[override]
         ex: HeadA2A = ctx.ex
-        return _scatter_heads([grad], ex, "Ulysses output gradient all-to-all", "backward")[0], None
+        return (None, None, *_scatter_heads(list(grads), ex, f"{ctx.what} gradient all-to-all", "backward"))
 
 
 def heads_to_tokens(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ex: HeadA2A
@@ -185,23 +187,52 @@ def heads_to_tokens(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ex: HeadA
     Returns ``q [B, Hq/u, u*L, D]``, ``k [B, n_kv, u*L, D]``, ``v [B, n_kv, u*L, Dv]``, tokens rank-major
     (``n_kv = ex.split.kv_per_rank``). ``u = 1`` returns the inputs unchanged, with no collective.
     """
-    split, u = ex.split, ex.size
-    _check("q", q, split.num_q_heads, u)
-    _check("k", k, split.num_kv_heads, u)
-    _check("v", v, split.num_kv_heads, u)
-    if u == 1:
-        return q, k, v
-    return _HeadsToTokens.apply(q, k, v, ex)
+    q, (k, v) = scatter_heads([q], [k, v], ex, names=("q", "k", "v"))
+    return q[0], k, v
 
 
 def tokens_to_heads(out: torch.Tensor, ex: HeadA2A) -> torch.Tensor:
     """The inverse of :func:`heads_to_tokens` for the attention output: ``[B, Hq/u, u*L, Dv]`` ->
     ``[B, Hq, L, Dv]`` (this rank's ``L`` tokens, all heads). ``u = 1``: ``out`` unchanged."""
-    u = ex.size
-    _check("out", out, ex.split.q_per_rank, u, tokens=u)
+    return gather_heads([out], ex, names=("out",), what="Ulysses output")[0]
+
+
+def scatter_heads(heads: Sequence[torch.Tensor], groups: Sequence[torch.Tensor], ex: HeadA2A, *,
+                  names: Sequence[str] | None = None, what: str = "Ulysses q/k/v"
+                  ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Any number of tensors in :func:`heads_to_tokens`' all-to-all (one fused buffer each way, gradients too).
+
+    Args:
+        heads: ``[B, Hq, L, d_i]`` tensors cut by head (``ex.split.num_q_heads``), like q.
+        groups: ``[B, Hkv, L, d_j]`` tensors cut by K/V head (``ex.split.num_kv_heads``; replicated when
+            ``Hkv < u``), like k and v.
+        names: one name per tensor for shape errors; what: the collective's name in errors.
+
+    Returns ``([B, Hq/u, u*L, d_i] ..., [B, n_kv, u*L, d_j] ...)``, tokens rank-major. Mixed dtypes travel
+    unchanged. ``u = 1``: the inputs, no collective.
+    """
+    split, u = ex.split, ex.size
+    names = names or [f"heads[{i}]" for i in range(len(heads))] + [f"groups[{j}]" for j in range(len(groups))]
+    for name, x, count in zip(names, (*heads, *groups), [split.num_q_heads] * len(heads)
+                              + [split.num_kv_heads] * len(groups)):
+        _check(name, x, count, u)
     if u == 1:
-        return out
-    return _TokensToHeads.apply(out, ex)
+        return list(heads), list(groups)
+    out = _HeadsToTokens.apply(ex, len(heads), what, *heads, *groups)
+    return list(out[:len(heads)]), list(out[len(heads):])
+
+
+def gather_heads(outs: Sequence[torch.Tensor], ex: HeadA2A, *, names: Sequence[str] | None = None,
+                 what: str = "Ulysses output") -> list[torch.Tensor]:
+    """The inverse of :func:`scatter_heads` for outputs cut by head: ``[B, Hq/u, u*L, d_i]`` tensors ->
+    ``[B, Hq, L, d_i]`` (this rank's ``L`` tokens, all heads), one fused all-to-all. ``u = 1``: unchanged."""
+    u = ex.size
+    names = names or [f"outs[{i}]" for i in range(len(outs))]
+    for name, x in zip(names, outs):
+        _check(name, x, ex.split.q_per_rank, u, tokens=u)
+    if u == 1:
+        return list(outs)
+    return list(_TokensToHeads.apply(ex, what, *outs))
 
 
 def subgroup_ranks(cp_ranks: Sequence[int], ulysses_size: int) -> tuple[list[list[int]], list[list[int]]]:
