@@ -64,6 +64,8 @@ class StepRuntime:
             gradient-checkpoint recompute runs the layers only and is not counted).
         fragments: the step's :class:`~hf_blockdiag_cp.planning.fragments.FragmentPlan` for recurrent layers
             (CP > 1), planned on first use.
+        recurrent: what recurrent layers build once per step and reuse (owned by :mod:`hf_blockdiag_cp.recurrent`:
+            the agreement's flag, the head-parallel fallback's all-to-alls and row orders per device).
     """
 
     plans: dict[PlanKey, DevicePlan] = field(default_factory=dict)
@@ -74,6 +76,7 @@ class StepRuntime:
     head_a2a: dict[torch.device, HeadA2A] = field(default_factory=dict)
     forwards: int = 0
     fragments: Any = None
+    recurrent: dict[Any, Any] = field(default_factory=dict)
 
 
 #: The runtime of every live context (by identity: contexts compare by identity), the module's one cache.

@@ -26,7 +26,9 @@ import torch
 
 from ..errors import UnsupportedModel
 from .fragment_call import bind, call_fragment, time_axis
+from .agreement import agree_recurrent
 from .functions import COMPOSITES, FUSED, SCANS, WINDOWED, ScanFunction, mixer_functions
+from .head_parallel import run_heads
 from .runs import LocalRuns
 from .state_passing import run_cp, run_window
 
@@ -134,6 +136,8 @@ def _window_forward(self: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
     if lead.shape[0] != runs.batch_size or lead.shape[1] != runs.local_len:
         raise ValueError(f"{spec.name} got rows [B={lead.shape[0]}, T={lead.shape[1]}] but this forward's packed "
                          f"batch has [B={runs.batch_size}, L={runs.local_len}]")
+    if runs.cp_size > 1:
+        agree_recurrent(runs.context, lead.device)
     return run_window(spec, original, runs, named, window)
 
 
@@ -155,6 +159,9 @@ def run_fragments(spec: ScanFunction, original: Callable, runs: LocalRuns, args:
         raise ValueError(f"{spec.name} got rows [B={lead.shape[0]}, T={length}] but this forward's packed batch has "
                          f"[B={runs.batch_size}, L={runs.local_len}]")
     if runs.cp_size > 1:
+        agree_recurrent(runs.context, lead.device)  # before this step's first recurrent collective
+        if runs.context.config.recurrent_layout == "heads":
+            return run_heads(spec, original, runs, named)
         return run_cp(spec, original, runs, named)
     want_state = bool(named.get(spec.state_flag)) if spec.state_flag else False
     rows_out, states = [], []

@@ -15,7 +15,6 @@ from typing import Any
 
 import torch
 
-from ..errors import UnsupportedModel
 from ..planning.documents import doc_ids_from_flattening, doc_ids_from_position_ids
 from ..planning.fragments import Fragment, FragmentPlan, local_fragments, plan_fragments
 from ..runtime import step_runtime
@@ -64,10 +63,8 @@ def local_runs(named: dict[str, Any], packed: bool) -> LocalRuns | None:
         rows = local_fragments(ctx.doc_ids, index)
         if ctx.cp_size == 1:
             return LocalRuns(rows, index.numel())
-        if ctx.ulysses_size > 1:
-            raise UnsupportedModel(
-                "recurrent layers under the head-parallel layout (ulysses_size > 1) are not implemented: blockdiag_cp "
-                "passes their states between sequence shards only; use ulysses_size=1 for hybrid models")
+        # Under a head-parallel attention layout (ulysses_size > 1) the layers between attention calls still hold
+        # sequence shards (ctx.placement is the layout's [P, L] table): the same fragments and state passing apply.
         plan = _cached_plan(ctx)
         return LocalRuns(rows, index.numel(), ctx.cp_size, plan, ctx)
     if not packed:
