@@ -25,8 +25,8 @@ from typing import Any, Callable
 import torch
 
 from ..errors import UnsupportedModel
-from .fragment_call import bind, call_fragment, time_axis
 from .agreement import agree_recurrent
+from .fragment_call import bind, call_fragment, time_axis
 from .functions import COMPOSITES, FUSED, SCANS, WINDOWED, ScanFunction, mixer_functions
 from .head_parallel import run_heads
 from .runs import LocalRuns
