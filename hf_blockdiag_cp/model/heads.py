@@ -60,8 +60,9 @@ def head_shape(config: object) -> HeadShape:
     if hq is None:  # a pure state-space model (mamba, mamba2, falcon_mamba): no attention heads to split
         raise UnsupportedModel(
             f"{type(config).__name__} names no attention heads (num_attention_heads): a head-parallel layout "
-            "(ulysses_size > 1) splits attention heads, and this model's recurrent layers pass their states between "
-            "sequence shards only; use ulysses_size=1 (or pass heads=HeadShape(...) if its heads go by another name)")
+            "(ulysses_size > 1) splits attention heads, and this model has none; use ulysses_size=1 (its recurrent "
+            "layers run under CP with recurrent_layout='state' or 'heads'), or pass heads=HeadShape(...) if its heads "
+            "go by another name")
     if not isinstance(hq, int):
         raise ValueError(f"{type(config).__name__} has no int num_attention_heads; pass heads=HeadShape(...)")
     hkv = one("num_key_value_heads") or hq
