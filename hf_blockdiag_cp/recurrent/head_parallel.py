@@ -21,11 +21,12 @@ What is cut how (legend: ``T`` time, ``H`` heads, ``G`` groups of heads sharing 
   serves ``Hv / Hk`` consecutive value heads): split when ``Hk % P == 0``, sent whole to every rank that uses it
   when ``P % Hk == 0`` (the gradients of the copies add up), like K/V heads of the attention's head split;
 - Mamba2 / SSD ``mamba_chunk_scan_combined``: ``hidden_states [B, T, H, P]``, ``dt [B, T, H]`` (and ``z``) by head,
-  ``B`` / ``C [B, T, G, N]`` by group (split or replicated as above), ``A`` / ``D`` / ``dt_bias`` sliced.
+  ``B`` / ``C [B, T, G, N]`` by group (split or replicated as above), ``A`` / ``D`` / ``dt_bias`` sliced;
+- Mamba1 ``selective_scan_fn``: ``hidden_states`` / ``dt`` / ``z [B, D, T]`` by channel, ``B`` / ``C [B, N, T]``
+  (shared by all channels: one group) sent whole to every rank, ``A [D, N]`` / ``D`` / ``delta_bias`` sliced.
 
 Refused with the cause, on every rank at the same call before any collective: a head count the CP size does not
-divide (or groups that neither divide nor are divided by it), Mamba1's ``selective_scan_fn`` (its ``B`` / ``C``
-have no head axis to split by; ``recurrent_layout="state"`` is exact for it), and a call asking for a final state.
+divide (or groups that neither divide nor are divided by it), and a call asking for a final state.
 Windowed modules (:data:`~.functions.WINDOWED`) keep passing their last inputs (:func:`~.state_passing.run_window`,
 exact, a few rows per fragment).
 
@@ -59,7 +60,8 @@ __all__ = ["HEAD_LAYOUTS", "HeadLayout", "head_parallel_bytes", "run_heads"]
 @dataclass(frozen=True)
 class HeadLayout:
     """How one kind of served call is cut by head: every entry is ``name -> (head axis, time axis)`` of the
-    argument in the function's own layout (non-negative axes; trailing axes are features).
+    argument in the function's own layout (non-negative axes; trailing axes are features; head axis ``None``: an
+    input shared by all heads, one group).
 
     Attributes:
         heads: inputs cut by head (all with the same head count ``H``); the first one fixes ``H``.
@@ -69,7 +71,7 @@ class HeadLayout:
     """
 
     heads: dict[str, tuple[int, int]]
-    groups: dict[str, tuple[int, int]]
+    groups: dict[str, tuple[int | None, int]]
     params: tuple[str, ...]
     out: tuple[int, int]
 
@@ -83,28 +85,30 @@ HEAD_LAYOUTS: dict[str, HeadLayout] = {
     "kda": _DELTA,
     "ssd": HeadLayout(heads={"hidden_states": (2, 1), "dt": (2, 1), "z": (2, 1)},
                       groups={"B": (2, 1), "C": (2, 1)}, params=("A", "D", "dt_bias"), out=(2, 1)),
-}
-
-_WHY_NOT = {
-    "selective": "Mamba1's selective scan shares its B / C inputs over all channels and has no head axis "
-                 "blockdiag_cp splits it by",
+    "selective": HeadLayout(heads={"hidden_states": (1, 2), "dt": (1, 2), "z": (1, 2)},
+                            groups={"B": (None, 2), "C": (None, 2)}, params=("A", "D", "delta_bias"), out=(1, 2)),
 }
 
 
-def _to_rows(x: torch.Tensor, axes: tuple[int, int]) -> tuple[torch.Tensor, tuple[int, ...]]:
-    """``x`` -> ``[B, H, T, d]`` (features flattened) and the feature shape to restore."""
+def _to_rows(x: torch.Tensor, axes: tuple[int | None, int]) -> tuple[torch.Tensor, tuple[int, ...]]:
+    """``x`` -> ``[B, H, T, d]`` (features flattened; ``H = 1`` for an input without head axis) and the feature
+    shape to restore."""
     head, time = axes
+    if head is None:
+        x, head, time = x.unsqueeze(1), 1, time + 1
     moved = x.movedim((head, time), (1, 2))
     return moved.reshape(*moved.shape[:3], -1), tuple(moved.shape[3:])
 
 
-def _from_rows(y: torch.Tensor, axes: tuple[int, int], features: tuple[int, ...]) -> torch.Tensor:
+def _from_rows(y: torch.Tensor, axes: tuple[int | None, int], features: tuple[int, ...]) -> torch.Tensor:
     """The inverse of :func:`_to_rows`: ``[B, h, T, d]`` -> the function's own layout."""
     head, time = axes
+    if head is None:
+        return y.reshape(*y.shape[:3], *features).movedim((1, 2), (1, time + 1)).squeeze(1)
     return y.reshape(*y.shape[:3], *features).movedim((1, 2), (head, time))
 
 
-def _present(named: dict[str, Any], table: dict[str, tuple[int, int]]) -> dict[str, tuple[int, int]]:
+def _present(named: dict[str, Any], table: dict[str, tuple[Any, int]]) -> dict[str, tuple[Any, int]]:
     return {name: axes for name, axes in table.items() if isinstance(named.get(name), torch.Tensor)}
 
 
@@ -112,10 +116,9 @@ def _split(spec: ScanFunction, named: dict[str, Any], size: int) -> tuple[HeadLa
     """The call's layout and head split over ``size`` ranks; refuses (on every rank alike) what cannot be cut."""
     layout = HEAD_LAYOUTS.get(spec.kind)
     if layout is None:
-        raise UnsupportedModel(
-            f"{spec.name}: recurrent_layout='heads' is not implemented for {spec.kind!r} scans ("
-            f"{_WHY_NOT.get(spec.kind, 'no head layout is declared for them')}); use recurrent_layout='state' "
-            "(the default), which passes their states between the sequence shards")
+        raise UnsupportedModel(f"{spec.name}: recurrent_layout='heads' is not implemented for {spec.kind!r} scans (no "
+                               "head layout is declared for them); use recurrent_layout='state' (the default), which "
+                               "passes their states between the sequence shards")
     if spec.state_flag is not None and named.get(spec.state_flag):
         raise UnsupportedModel(f"{spec.name}: a final state (a cache) under context parallelism is not implemented; "
                                "pass use_cache=False when training")
@@ -123,9 +126,9 @@ def _split(spec: ScanFunction, named: dict[str, Any], size: int) -> tuple[HeadLa
     counts = {name: named[name].shape[axes[0]] for name, axes in heads.items()}
     count = counts[next(iter(layout.heads))]
     groups = _present(named, layout.groups)
-    group_counts = {name: named[name].shape[axes[0]] for name, axes in groups.items()}
+    group_counts = {name: 1 if axes[0] is None else named[name].shape[axes[0]] for name, axes in groups.items()}
     group_count = next(iter(group_counts.values()), count)
-    what = "channels" if spec.kind == "conv" else "heads"
+    what = "channels" if spec.kind in ("conv", "selective") else "heads"
     if len(set(counts.values())) > 1 or len(set(group_counts.values())) > 1 or count % group_count:
         raise UnsupportedModel(f"{spec.name}: recurrent_layout='heads' needs one head count per input kind, got "
                                f"{counts} and groups {group_counts}; use recurrent_layout='state'")

@@ -2,7 +2,8 @@
 
 - ``recurrent_layout="heads"`` (:mod:`hf_blockdiag_cp.recurrent.head_parallel`): a full tiny training step of
   qwen3_next (gated delta rule with 2 key heads for 4 value heads + causal convolution; also under bf16 autocast),
-  bamba (Mamba2/SSD with one B/C group, no attention layer), lfm2 (short convolution) and kimi_linear (KDA) at
+  bamba (Mamba2/SSD with one B/C group, no attention layer), lfm2 (short convolution), kimi_linear (KDA) and mamba
+  (Mamba1 selective scan, B / C sent whole to every rank) at
   P = 2 and 4, documents split over ranks, activation checkpointing, a rank holding only padding, equals
   each document run alone through the unmodified model (logits mapped back through ``local_index``, parameter
   gradients all-reduced). At P = 4 qwen3_next's 2 key heads and bamba's one group are sent to several ranks (their
@@ -10,7 +11,8 @@
   (:func:`~hf_blockdiag_cp.recurrent.head_parallel.head_parallel_bytes`, docs/layouts.md).
 - Recurrent layers under the attention's head-parallel layout (``ulysses_size = 2``) with state passing: exact
   for qwen3_next (GDN) and falcon_h1 (Mamba2 + attention in every layer).
-- Refusals: Mamba1 (``selective_scan_fn``) under ``"heads"`` names the scan on every rank at that call;
+- Refusals: a gated-delta-rule layer with 3 heads at P = 2 under ``"heads"`` names the function and the counts on
+  every rank at that call;
   ranks configured with different ``recurrent_layout`` raise ``AgreementError`` naming the field (a model whose
   first collective is a recurrent one: bamba). Host-only refusals (head counts the CP size does not divide) run
   without ranks.
@@ -33,6 +35,7 @@ CASES = {
         ("lfm2", "contiguous", False, 1, "heads", DOCS, False),
         ("bamba", "contiguous", False, 1, "heads", PADDED, False),
         ("kimi_linear", "zigzag", False, 1, "heads", DOCS, False),
+        ("mamba", "contiguous", True, 1, "heads", DOCS, False),
         ("qwen3_next", "balanced", False, 1, "heads", DOCS, True),
         ("qwen3_next", "balanced", False, 2, "state", DOCS, False),
         ("falcon_h1", "zigzag", True, 2, "state", DOCS, False),
@@ -129,11 +132,13 @@ def _worker(rank: int, world: int) -> dict:
 
 
 def _refusal(rank: int) -> tuple:
-    """Mamba1 under ``"heads"``: refused naming the scan, on every rank at its call (no rank waits for another)."""
+    """3 key and value heads at P = 2 under ``"heads"``: refused naming the function and the counts, on every rank
+    at its call (no rank waits for another)."""
     from hf_blockdiag_cp import comm_stats
     from hf_blockdiag_cp.conformance.runs import build_model
 
-    config = _config("mamba")
+    config = _config("qwen3_next")
+    config.linear_num_key_heads = config.linear_num_value_heads = 3
     model = build_model(config, "blockdiag_cp").train()
     batch = _collator(model, 1, "balanced", "heads", None)([{"input_ids": d.tolist()}
                                                             for d in _docs(DOCS, config.vocab_size)])
@@ -181,7 +186,8 @@ def test_head_parallel_fallback_and_ulysses_layout_match_documents_alone(world: 
         for r in reports:
             name, message, moved = r["refusal"]
             # Raised by every rank at the scan's call (its convolution, served by the fallback, ran before it).
-            assert name == "UnsupportedModel" and "selective_scan_fn" in message and "'state'" in message, message
+            assert name == "UnsupportedModel" and "chunk_gated_delta_rule" in message and "'state'" in message, message
+            assert "splits the layer's 3 heads over the 2 CP ranks" in message, message
             name, message, moved = r["mismatch"]
             assert name == "AgreementError" and "recurrent_layout (rank 0: 'state', rank 1: 'heads')" in message, \
                 message
@@ -203,7 +209,8 @@ def _delta_args(value_heads: int, key_heads: int) -> dict:
     ("chunk_gated_delta_rule", _delta_args(12, 6), 4, "cuts the 6 groups of 12 heads (query, key) over 4"),
     ("causal_conv1d_fn", {"hidden_states": torch.zeros(1, 6, 8), "weight": torch.zeros(6, 4)}, 4,
      "6 channels over the 4 CP ranks"),
-    ("selective_scan_fn", {}, 2, "selective scan shares its B / C"),
+    ("selective_scan_fn", {"hidden_states": torch.zeros(1, 6, 8), "B": torch.zeros(1, 2, 8)}, 4,
+     "6 channels over the 4 CP ranks"),
     ("mamba_chunk_scan_combined", {"hidden_states": torch.zeros(1, 8, 4, 2), "dt": torch.zeros(1, 8, 4),
                                    "B": torch.zeros(1, 8, 1, 2), "C": torch.zeros(1, 8, 1, 2),
                                    "A": torch.zeros(4), "return_final_states": True}, 2, "a final state"),
@@ -218,12 +225,12 @@ def test_what_cannot_be_cut_by_head_is_refused_naming_the_cause(name, args, size
     assert fragment in str(err.value) and name in str(err.value), str(err.value)
 
 
-def test_head_layouts_cover_every_scan_kind_but_mamba1():
+def test_head_layouts_cover_every_scan_kind():
     from hf_blockdiag_cp.recurrent.functions import SCANS
     from hf_blockdiag_cp.recurrent.head_parallel import HEAD_LAYOUTS
 
     kinds = {spec.kind for spec in SCANS.values()}
-    assert kinds - set(HEAD_LAYOUTS) == {"selective"}
+    assert kinds <= set(HEAD_LAYOUTS)
     for spec in SCANS.values():  # every cut input is a time-axis input of the function
         layout = HEAD_LAYOUTS.get(spec.kind)
         if layout is not None:
