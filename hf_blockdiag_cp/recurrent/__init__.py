@@ -2,5 +2,7 @@
 
 :mod:`.functions` lists transformers' replaceable functions served, :mod:`.runs` the fragments of a forward's
 local rows, :mod:`.install` what :func:`~hf_blockdiag_cp.model.prepare_model` puts on a model's mixers, and
-:mod:`.state_passing` the exchange of fragment summaries between CP ranks. The kernels live in :mod:`.ops`.
+:mod:`.state_passing` the exchange of fragment summaries between CP ranks (``recurrent_layout="state"``),
+:mod:`.head_parallel` the head-parallel fallback (``"heads"``), :mod:`.agreement` the step's rank agreement before
+the first recurrent collective. The kernels live in :mod:`.ops`.
 """

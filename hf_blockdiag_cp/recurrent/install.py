@@ -6,7 +6,8 @@ the wrapper of each served scan gets an instance ``forward`` (as ``kernels.kerne
 - passes the call through unchanged when the forward has one document per row (generation, unpacked batches);
 - otherwise runs the model's own function once per fragment (:mod:`.runs`) with a zero initial state, so every
   scan and causal convolution restarts at each document start (CP = 1), or hands the fragment summaries
-  between CP ranks (:mod:`.state_passing`, CP > 1).
+  between CP ranks (:mod:`.state_passing`, CP > 1), or, with ``recurrent_layout="heads"``, splits the call's
+  heads over the CP ranks and runs whole documents (:mod:`.head_parallel`).
 
 The fragments come from the forward's preparation (the model pre-hook stores them in the probe), so a decoder
 layer that drops the model's keyword arguments (jamba, mamba, falcon_mamba) is served as well as one that
