@@ -226,9 +226,11 @@ def arithmetic(full_len: int, p: int, seeds: int) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--no-measure", action="store_true", help="arithmetic only (no processes)")
-    parser.add_argument("--cp", type=int, nargs="+", default=[2, 4])
-    parser.add_argument("--lengths", type=int, nargs="+", default=[256, 1024])
-    parser.add_argument("--seeds", type=int, default=5)
+    parser.add_argument("--cp", type=int, nargs="+", default=[2, 4], help="CP sizes of the measured part")
+    parser.add_argument("--lengths", type=int, nargs="+", default=[256, 1024],
+                        help="row lengths S of the measured part (divisible by 2P)")
+    parser.add_argument("--seeds", type=int, default=5, help="lognormal rows whose fragment plans give the slots of "
+                        "the real-model arithmetic")
     args = parser.parse_args()
     if not args.no_measure:
         measure(args.cp, args.lengths)
