@@ -16,7 +16,9 @@ Each function is one of three kinds:
   layers then take their unfused path).
 
 Modules that mix tokens with a plain ``nn.Conv1d`` and no replaceable function are listed in :data:`WINDOWED` by
-class name and served whole, once per fragment.
+class name and served whole, once per fragment (or, for a plain ``nn.Conv1d`` child of such a module, the child).
+Mixers whose scan is an instance method of the module rather than a replaceable function are listed in
+:data:`METHODS` by the module's class name; the method is served like a scan (an instance attribute shadows it).
 
 A transformers upgrade that renames one of them fails ``tests/recurrent/test_functions.py`` (the names and
 parameters below are checked against the installed model files), not a user.
@@ -26,7 +28,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["COMPOSITES", "FUSED", "SCANS", "WINDOWED", "ScanFunction", "WindowedModule", "mixer_functions"]
+import torch
+
+__all__ = ["COMPOSITES", "FUSED", "METHODS", "POSITION_RESETS", "SCANS", "WINDOWED", "ScanFunction", "WindowedModule",
+           "conv_window", "mixer_functions"]
 
 
 @dataclass(frozen=True)
@@ -41,7 +46,8 @@ class ScanFunction:
         state_in: the initial-state parameter (``None``: the function takes none).
         state_flag: the parameter asking for the final state.
         returns_tuple: the output is always ``(out, state)``; otherwise a tuple only when ``state_flag`` is true.
-        kind: ``"conv"``, ``"ssd"``, ``"delta"``, ``"kda"`` or ``"selective"``.
+        kind: ``"conv"``, ``"ssd"``, ``"delta"``, ``"kda"``, ``"selective"`` or ``"diag"`` (a diagonal linear
+            recurrence ``h_t = a_t * h_{t-1} + x_t``, state ``[B, W]`` fp32).
     """
 
     name: str
@@ -76,6 +82,22 @@ SCANS: dict[str, ScanFunction] = {f.name: f for f in (
                  None, "return_last_state", False, "selective"),
 )}
 
+#: Instance methods served per document fragment like :data:`SCANS`, by the class name of the module holding them
+#: (``name`` is the method's). RecurrentGemma's RG-LRU: ``_rnn_scan(hidden_states [B, T, W], recurrent_gate
+#: [B, T, W], reset [B, T, 1], recurrent_states [B, W] | None)`` runs ``h_t = a_t * (not reset_t) * h_{t-1} + x_t``
+#: in fp32 and returns ``(out [B, T, W], h_T [B, W])``.
+METHODS: dict[str, ScanFunction] = {
+    "RecurrentGemmaRglru": ScanFunction("_rnn_scan", ("hidden_states", "recurrent_gate", "reset", "recurrent_states",
+                                                      "acc_dtype"),
+                                        {n: 1 for n in ("hidden_states", "recurrent_gate", "reset")}, 1,
+                                        "recurrent_states", None, True, "diag"),
+}
+
+#: Classes of :data:`METHODS` whose module derives more than the scan's resets from ``position_ids`` (RG-LRU: the
+#: input normalisation ``sqrt(1 - a^2)`` is skipped where they are 0): a packed batch must carry per-document
+#: ``position_ids`` (refused otherwise, as for absolute position embeddings).
+POSITION_RESETS: frozenset[str] = frozenset({"RecurrentGemmaRglru"})
+
 #: Functions that dispatch to :data:`SCANS` (torch path) or only step one token with a cache.
 COMPOSITES: frozenset[str] = frozenset({
     "causal_conv1d_forward", "causal_conv1d_update", "mamba2_scan_forward", "mamba_scan_forward",
@@ -94,29 +116,53 @@ class WindowedModule:
     dropped.
 
     Attributes:
-        name: the module's class name (transformers 5.25).
+        name: the module's class name (transformers 5.25); with ``child``, the class of the module holding it.
         params: its ``forward``'s parameters in order (to bind positional arguments).
-        sequence: the input ``[B, T, C]`` (time axis 1); every output has its time axis at 1.
+        sequence: the input ``[B, T, C]`` (time axis 1) or ``[B, C, T]`` (``time_dim=-1``); every output has its
+            time axis at ``time_dim``, and its first ``T`` steps are the outputs of the ``T`` inputs.
         mask: an optional padding mask ``[B, T]`` sliced with the sequence.
-        cache: the cache parameter (must be ``None`` with packed rows).
-        window_attr: the module attribute holding how many earlier inputs an output reads (at least 1).
+        cache: the cache parameter (must be ``None`` with packed rows), if any.
+        window_attr: the module attribute holding how many earlier inputs an output reads (at least 1); ``None``
+            for a plain ``nn.Conv1d`` (:func:`conv_window`).
+        child: the served module is this plain ``nn.Conv1d`` attribute of the ``name`` module, not that module.
+        time_dim: the time axis of the sequence and the outputs (1 or -1).
+        owner_reads: for a ``child``: the expression in the owner's ``forward`` that reads the child's output. A
+            served child returns the ``T`` outputs of its ``T`` inputs only (a padded ``nn.Conv1d`` returns more),
+            which is all this expression reads; checked against the owner's source by the tests.
     """
 
     name: str
     params: tuple[str, ...]
     sequence: str
     mask: str | None
-    cache: str
-    window_attr: str
+    cache: str | None
+    window_attr: str | None
+    child: str | None = None
+    time_dim: int = 1
+    owner_reads: str | None = None
 
 
 #: Modules served whole per fragment, by class name: zaya's compressed convolutional attention projection (two
 #: ``nn.Conv1d`` over ``(cca_time0 - 1) + (cca_time1 - 1)`` earlier q/k inputs, and a value half from the previous
-#: token).
+#: token); RecurrentGemma's depthwise ``conv_1d`` (channels first, padded by ``K - 1`` on both sides, the block
+#: keeping the first ``T`` outputs).
 WINDOWED: dict[str, WindowedModule] = {m.name: m for m in (
     WindowedModule("ZayaCCAProjection", ("hidden_states", "cache", "conv_mask"), "hidden_states", "conv_mask",
                    "cache", "conv_kernel_size"),
+    WindowedModule("RecurrentGemmaRecurrentBlock", ("input",), "input", None, None, None, child="conv_1d",
+                   time_dim=-1, owner_reads="self.conv_1d(x_branch)[..., :seq_len]"),
 )}
+
+
+def conv_window(conv: torch.nn.Module) -> int | None:
+    """Earlier inputs each of the first ``T`` outputs of a plain ``nn.Conv1d`` reads (``(K - 1) * dilation``), or
+    ``None`` when the convolution is not causal that way (stride > 1, other padding): then it is not served."""
+    if not isinstance(conv, torch.nn.Conv1d):
+        return None
+    window = (conv.kernel_size[0] - 1) * conv.dilation[0]
+    if conv.stride != (1,) or conv.padding != (window,) or conv.padding_mode != "zeros" or window < 1:
+        return None
+    return window
 
 
 def mixer_functions(module: object) -> dict[str, object] | None:

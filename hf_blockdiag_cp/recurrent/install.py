@@ -12,8 +12,9 @@ The fragments come from the forward's preparation (the model pre-hook stores the
 layer that drops the model's keyword arguments (jamba, mamba, falcon_mamba) is served as well as one that
 passes them. Fused GPU paths (:data:`~.functions.FUSED`) are skipped with packed rows (they return ``None``,
 as their torch stand-ins do, and the layer runs its unfused, served path). A windowed module
-(:data:`~.functions.WINDOWED`) gets an instance ``forward`` that runs it once per fragment
-(:func:`~.state_passing.run_window`).
+(:data:`~.functions.WINDOWED`, or its plain ``nn.Conv1d`` child) gets an instance ``forward`` that runs it once per
+fragment (:func:`~.state_passing.run_window`). A mixer whose scan is an instance method (:data:`~.functions.METHODS`)
+gets an instance attribute of that name, served like a wrapper's ``forward``.
 """
 
 from __future__ import annotations
@@ -26,11 +27,12 @@ import torch
 
 from ..errors import UnsupportedModel
 from .fragment_call import bind, call_fragment, time_axis
-from .functions import COMPOSITES, FUSED, SCANS, WINDOWED, ScanFunction, mixer_functions
+from .functions import COMPOSITES, FUSED, METHODS, SCANS, WINDOWED, ScanFunction, conv_window, mixer_functions
 from .runs import LocalRuns
 from .state_passing import run_cp, run_window
 
-__all__ = ["INSTALLED_ATTR", "install_recurrent", "is_served", "uninstall_recurrent", "unserved_functions"]
+__all__ = ["INSTALLED_ATTR", "install_recurrent", "is_served", "served_modules", "uninstall_recurrent",
+           "unserved_functions"]
 
 #: Attribute on a served private wrapper: the original bound ``forward`` (the model's own function).
 INSTALLED_ATTR = "_blockdiag_cp_original"
@@ -46,11 +48,36 @@ def unserved_functions(module: torch.nn.Module) -> list[str]:
 
 
 def is_served(module: torch.nn.Module) -> bool:
-    """Whether ``module`` is a recurrent mixer whose every scan is served per fragment (or a windowed module)."""
-    if type(module).__name__ in WINDOWED:
-        return True
+    """Whether ``module`` is a recurrent mixer whose every scan is served per fragment (or a windowed module, or a
+    mixer whose scan method is served). The ``nn.Conv1d`` child of a windowed owner: :func:`served_modules`."""
+    cls_name = type(module).__name__
+    if cls_name in WINDOWED:
+        return WINDOWED[cls_name].child is None
+    if cls_name in METHODS:
+        return callable(getattr(module, METHODS[cls_name].name, None))
     funcs = mixer_functions(module)
     return funcs is not None and any(name in SCANS for name in funcs) and not unserved_functions(module)
+
+
+def _served_child(module: torch.nn.Module) -> tuple[str, torch.nn.Module] | None:
+    """``(attribute, conv)`` when ``module`` owns a plain causal ``nn.Conv1d`` served per fragment (``WINDOWED``)."""
+    spec = WINDOWED.get(type(module).__name__)
+    if spec is None or spec.child is None:
+        return None
+    child = getattr(module, spec.child, None)
+    return (spec.child, child) if conv_window(child) is not None else None
+
+
+def served_modules(model: torch.nn.Module) -> list[str]:
+    """Names (as in ``named_modules``) of ``model``'s submodules served per document fragment."""
+    names = []
+    for name, module in model.named_modules():
+        if is_served(module):
+            names.append(name)
+        child = _served_child(module)
+        if child is not None:
+            names.append(f"{name}.{child[0]}" if name else child[0])
+    return names
 
 
 def install_recurrent(model: torch.nn.Module, probe: Any) -> int:
@@ -67,14 +94,20 @@ def install_recurrent(model: torch.nn.Module, probe: Any) -> int:
     """
     count = 0
     for module in model.modules():
+        cls_name = type(module).__name__
+        child = _served_child(module)
+        if child is not None:
+            count += 1
+            _install(child[1], "forward", _window_forward, probe, cls_name)
+            continue
         if not is_served(module):
             continue
         count += 1
-        if type(module).__name__ in WINDOWED:
-            module.__dict__[_PROBE_KEY] = probe
-            if INSTALLED_ATTR not in module.__dict__:
-                module.__dict__[INSTALLED_ATTR] = module.forward
-                module.forward = MethodType(_window_forward, module)
+        if cls_name in WINDOWED:
+            _install(module, "forward", _window_forward, probe, cls_name)
+            continue
+        if cls_name in METHODS:
+            _install(module, METHODS[cls_name].name, _method_forward, probe, cls_name)
             continue
         for name, wrapper in mixer_functions(module).items():
             if name not in SCANS and name not in FUSED:
@@ -90,6 +123,20 @@ def install_recurrent(model: torch.nn.Module, probe: Any) -> int:
 
 _PROBE_KEY = "_blockdiag_cp_probe"
 _NAME_KEY = "_blockdiag_cp_name"
+#: On a served module: the attribute its instance shadows (``forward``, or a :data:`~.functions.METHODS` name).
+_ATTR_KEY = "_blockdiag_cp_attr"
+
+
+def _install(module: torch.nn.Module, attr: str, forward: Callable, probe: Any, key: str) -> None:
+    """Shadow ``module.<attr>`` by ``forward`` bound to ``module`` (its original kept; idempotent); ``key``: the
+    table entry (class name) that serves it."""
+    module.__dict__[_PROBE_KEY] = probe
+    if INSTALLED_ATTR in module.__dict__:
+        return
+    module.__dict__[INSTALLED_ATTR] = getattr(module, attr)
+    module.__dict__[_NAME_KEY] = key
+    module.__dict__[_ATTR_KEY] = attr
+    module.__dict__[attr] = MethodType(forward, module)
 
 
 def _held_runs(probe: Any) -> LocalRuns | None:
@@ -116,23 +163,35 @@ def _scan_forward(self: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
     return run_fragments(SCANS[self.__dict__[_NAME_KEY]], original, runs, args, kwargs)
 
 
+def _method_forward(self: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
+    """A :data:`~.functions.METHODS` scan method: the original, or once per fragment with packed rows."""
+    probe = self.__dict__[_PROBE_KEY]
+    original = self.__dict__[INSTALLED_ATTR]
+    runs = _held_runs(probe)
+    if runs is None:
+        return original(*args, **kwargs)
+    probe.attention_calls += 1
+    return run_fragments(METHODS[self.__dict__[_NAME_KEY]], original, runs, args, kwargs)
+
+
 def _window_forward(self: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
     probe = self.__dict__[_PROBE_KEY]
     original = self.__dict__[INSTALLED_ATTR]
     runs = _held_runs(probe)
     if runs is None:
         return original(*args, **kwargs)
-    spec = WINDOWED[type(self).__name__]
+    spec = WINDOWED[self.__dict__[_NAME_KEY]]
     named = bind(spec, args, kwargs)
     for key in _PACKING_KEYWORDS:  # the fragments replace them (a module reading seq_idx would reset twice)
         named.pop(key, None)
-    if named.get(spec.cache) is not None:
+    if spec.cache is not None and named.get(spec.cache) is not None:
         raise UnsupportedModel(f"{spec.name} got a cache with packed rows; blockdiag_cp trains packed rows without a "
                                "cache (pass use_cache=False)")
-    window = max(1, int(getattr(self, spec.window_attr)))
+    window = conv_window(self) if spec.window_attr is None else max(1, int(getattr(self, spec.window_attr)))
     lead = named[spec.sequence]
-    if lead.shape[0] != runs.batch_size or lead.shape[1] != runs.local_len:
-        raise ValueError(f"{spec.name} got rows [B={lead.shape[0]}, T={lead.shape[1]}] but this forward's packed "
+    length = lead.shape[time_axis(lead, spec.time_dim)]
+    if lead.shape[0] != runs.batch_size or length != runs.local_len:
+        raise ValueError(f"{spec.name} got rows [B={lead.shape[0]}, T={length}] but this forward's packed "
                          f"batch has [B={runs.batch_size}, L={runs.local_len}]")
     return run_window(spec, original, runs, named, window)
 
@@ -184,7 +243,7 @@ def uninstall_recurrent(model: torch.nn.Module) -> None:
     """Give every served wrapper of ``model`` its original ``forward`` back."""
     for module in model.modules():
         if module.__dict__.pop(INSTALLED_ATTR, None) is not None:
-            for key in ("forward", _PROBE_KEY):
+            for key in (module.__dict__.pop(_ATTR_KEY, "forward"), _PROBE_KEY, _NAME_KEY):
                 module.__dict__.pop(key, None)
         for wrapper in (mixer_functions(module) or {}).values():
             if wrapper.__dict__.pop(INSTALLED_ATTR, None) is not None:
