@@ -19,6 +19,7 @@ Modules that mix tokens with a plain ``nn.Conv1d`` and no replaceable function a
 class name and served whole, once per fragment (or, for a plain ``nn.Conv1d`` child of such a module, the child).
 Mixers whose scan is an instance method of the module rather than a replaceable function are listed in
 :data:`METHODS` by the module's class name; the method is served like a scan (an instance attribute shadows it).
+Mixers whose linear recurrence runs inside their own ``forward`` are listed in :data:`STATEFUL` and served whole.
 
 A transformers upgrade that renames one of them fails ``tests/recurrent/test_functions.py`` (the names and
 parameters below are checked against the installed model files), not a user.
@@ -30,8 +31,8 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["COMPOSITES", "FUSED", "METHODS", "POSITION_RESETS", "SCANS", "WINDOWED", "ScanFunction", "WindowedModule",
-           "conv_window", "mixer_functions"]
+__all__ = ["COMPOSITES", "FUSED", "METHODS", "POSITION_RESETS", "SCANS", "STATEFUL", "WINDOWED", "ScanFunction",
+           "StatefulModule", "WindowedModule", "conv_window", "mixer_functions"]
 
 
 @dataclass(frozen=True)
@@ -169,3 +170,49 @@ def mixer_functions(module: object) -> dict[str, object] | None:
     """The private per-instance wrappers of a module decorated with ``use_kernelized_func`` (``None``: none)."""
     funcs = getattr(module, "__dict__", {}).get("_kernel_funcs")
     return funcs if isinstance(funcs, dict) and funcs else None
+
+
+@dataclass(frozen=True)
+class StatefulModule:
+    """A token mixer whose linear recurrence runs inside its own ``forward`` (no replaceable function or method), all
+    else in it per token. Served whole, once per fragment (the instance ``forward`` is replaced): without a cache the
+    forward starts from a zero state and returns ``(out, end state)``; a fragment that continues a document runs with
+    a stand-in cache that hands it the composed incoming state (the forward's own cached path, token by token).
+
+    Attributes:
+        name: the module's class name (transformers 5.25).
+        params: its ``forward``'s parameters in order (to bind positional arguments).
+        sequence: the input ``[B, T, C]`` (time axis 1); the output ``[B, T, C]`` too.
+        time_args: other parameters with a time axis at 1, tensors or tuples of tensors (rotary ``(cos, sin)``,
+            a padding mask), sliced with the sequence.
+        cache: the cache parameter; the stand-in is passed there. With packed rows a given cache must hold no state
+            for the layer yet (a prefill, e.g. ``generate()`` on left-padded rows, CP = 1): it then gets the end
+            state of each row's last fragment, as the stock forward leaves it.
+        cache_get / cache_set: the cache's methods the forward reads and writes its state with (``(layer_idx)``,
+            ``(layer_idx, state)``).
+        layer_attr: the module attribute holding its layer index.
+        heads_attr / dim_attr: module attributes giving the state ``[H, D, D]``.
+        rate_attr: module buffer ``[H, ...]`` of the per-token decay rate: the state decays by ``exp(-rate)`` a token.
+    """
+
+    name: str
+    params: tuple[str, ...]
+    sequence: str
+    time_args: tuple[str, ...]
+    cache: str
+    cache_get: str
+    cache_set: str
+    layer_attr: str
+    heads_attr: str
+    dim_attr: str
+    rate_attr: str
+
+
+#: Modules served whole per fragment with their state passed between fragments, by class name: MiniMax's lightning
+#: attention (``S_t = exp(-slope) S_{t-1} + k_t^T v_t``, ``o_t = q_t S_t`` per head, then a per-token norm and gate;
+#: its cache is read with ``get_linear_cache(layer_idx)`` and written with ``set_linear_cache``).
+STATEFUL: dict[str, StatefulModule] = {m.name: m for m in (
+    StatefulModule("MiniMaxLightningAttention", ("hidden_states", "position_embeddings", "attention_mask", "cache"),
+                   "hidden_states", ("position_embeddings", "attention_mask"), "cache", "get_linear_cache",
+                   "set_linear_cache", "layer_idx", "num_attention_heads", "head_dim", "slope_rate"),
+)}

@@ -27,9 +27,19 @@ import torch
 
 from ..errors import UnsupportedModel
 from .fragment_call import bind, call_fragment, time_axis
-from .functions import COMPOSITES, FUSED, METHODS, SCANS, WINDOWED, ScanFunction, conv_window, mixer_functions
+from .functions import (
+    COMPOSITES,
+    FUSED,
+    METHODS,
+    SCANS,
+    STATEFUL,
+    WINDOWED,
+    ScanFunction,
+    conv_window,
+    mixer_functions,
+)
 from .runs import LocalRuns
-from .state_passing import run_cp, run_window
+from .state_passing import run_cp, run_stateful, run_window
 
 __all__ = ["INSTALLED_ATTR", "install_recurrent", "is_served", "served_modules", "uninstall_recurrent",
            "unserved_functions"]
@@ -55,6 +65,8 @@ def is_served(module: torch.nn.Module) -> bool:
         return WINDOWED[cls_name].child is None
     if cls_name in METHODS:
         return callable(getattr(module, METHODS[cls_name].name, None))
+    if cls_name in STATEFUL:
+        return True
     funcs = mixer_functions(module)
     return funcs is not None and any(name in SCANS for name in funcs) and not unserved_functions(module)
 
@@ -108,6 +120,9 @@ def install_recurrent(model: torch.nn.Module, probe: Any) -> int:
             continue
         if cls_name in METHODS:
             _install(module, METHODS[cls_name].name, _method_forward, probe, cls_name)
+            continue
+        if cls_name in STATEFUL:
+            _install(module, "forward", _stateful_forward, probe, cls_name)
             continue
         for name, wrapper in mixer_functions(module).items():
             if name not in SCANS and name not in FUSED:
@@ -172,6 +187,33 @@ def _method_forward(self: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
         return original(*args, **kwargs)
     probe.attention_calls += 1
     return run_fragments(METHODS[self.__dict__[_NAME_KEY]], original, runs, args, kwargs)
+
+
+def _stateful_forward(self: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
+    """A :data:`~.functions.STATEFUL` module: the original, or once per fragment with packed rows."""
+    probe = self.__dict__[_PROBE_KEY]
+    original = self.__dict__[INSTALLED_ATTR]
+    runs = _held_runs(probe)
+    if runs is None:
+        return original(*args, **kwargs)
+    probe.attention_calls += 1
+    spec = STATEFUL[self.__dict__[_NAME_KEY]]
+    named = bind(spec, args, kwargs)
+    for key in _PACKING_KEYWORDS:  # the fragments replace them
+        named.pop(key, None)
+    cache = named.pop(spec.cache, None)
+    layer = getattr(self, spec.layer_attr)
+    if cache is not None and (runs.cp_size > 1 or getattr(cache, spec.cache_get)(layer) is not None):
+        raise UnsupportedModel(f"{spec.name} got a cache with packed rows under context parallelism or holding a "
+                               "state; blockdiag_cp trains packed rows without a cache (pass use_cache=False)")
+    lead = named[spec.sequence]
+    if lead.shape[0] != runs.batch_size or lead.shape[1] != runs.local_len:
+        raise ValueError(f"{spec.name} got rows [B={lead.shape[0]}, T={lead.shape[1]}] but this forward's packed "
+                         f"batch has [B={runs.batch_size}, L={runs.local_len}]")
+    out, ends = run_stateful(spec, self, original, runs, named)
+    if cache is not None:  # a prefill: each row's state is its last fragment's, as the stock forward leaves it
+        getattr(cache, spec.cache_set)(layer, ends)
+    return out, ends
 
 
 def _window_forward(self: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:

@@ -15,7 +15,10 @@ document order, in fp32, and is run again from the state so composed. Summaries 
   with zero values and the identity as initial state (the map is linear in the state);
 - diagonal linear recurrence (RecurrentGemma's RG-LRU, state ``[W_h]``): the end state from zero and the product
   of the fragment's decays ``prod_t a_t`` (the model's own scan on zero inputs from a state of ones),
-  ``W = 2 W_h``; composed as ``h <- prod_a * h + h_0``.
+  ``W = 2 W_h``; composed as ``h <- prod_a * h + h_0``;
+- a module with its recurrence inside (MiniMax's lightning attention, state ``[H, D, D]``, per-token decay
+  ``exp(-rate)`` per head): the end state its forward returns from zero and ``exp(-rate L)``, ``W = H D D + H``;
+  composed as ``S <- decay S + S_0`` (:func:`run_stateful`).
 
 Each rank sends ``slots`` summaries (the same on every rank, padded), so the all-gather has one fixed shape:
 per layer and direction a rank sends ``(P - 1) * slots * W * 4`` bytes, whatever the row length. Autograd runs
@@ -38,10 +41,10 @@ from ..distributed.exchange import _AllGather
 from ..errors import UnsupportedModel
 from ..runtime import step_runtime
 from .fragment_call import call_fragment, time_axis
-from .functions import ScanFunction, WindowedModule
+from .functions import ScanFunction, StatefulModule, WindowedModule
 from .runs import LocalRuns
 
-__all__ = ["run_cp", "run_window", "summary_width"]
+__all__ = ["run_cp", "run_stateful", "run_window", "summary_width"]
 
 
 @dataclass(frozen=True)
@@ -314,3 +317,96 @@ def run_window(spec: WindowedModule, original: Callable, runs: LocalRuns, named:
     if anchor is not None:
         out = tuple(o + anchor.to(o.dtype) for o in out)
     return out if len(out) > 1 else out[0]
+
+
+class _HandedState:
+    """A stand-in cache that hands a :class:`~.functions.StatefulModule` the state entering its fragment (MiniMax's
+    cache protocol: ``get_linear_cache(layer_idx)`` / ``set_linear_cache(layer_idx, state)``); the state it leaves
+    is the forward's second output, so nothing is kept."""
+
+    def __init__(self, state: torch.Tensor) -> None:
+        self.state = state
+
+    def get_linear_cache(self, layer_idx: int) -> torch.Tensor:
+        return self.state
+
+    def set_linear_cache(self, layer_idx: int, state: torch.Tensor) -> None:
+        pass
+
+
+def _time_slice(value: Any, row: int, start: int, length: int) -> Any:
+    """Rows ``[start, start + length)`` of batch row ``row`` of a ``[B, T, ...]`` tensor or a tuple of them."""
+    if isinstance(value, torch.Tensor):
+        return value[row:row + 1, start:start + length]
+    if isinstance(value, (tuple, list)):
+        return type(value)(_time_slice(v, row, start, length) for v in value)
+    return value
+
+
+def run_stateful(spec: StatefulModule, module: torch.nn.Module, original: Callable, runs: LocalRuns,
+                 named: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """A stateful module (:class:`~.functions.StatefulModule`) once per fragment: ``(out [B, T, C], ends)``, ``ends``
+    ``[B, H, D, D]`` the end state of each row's last fragment (CP = 1; ``None`` under CP).
+
+    Every fragment runs from a zero state (no cache). Under CP a continuing fragment runs again with a stand-in cache
+    holding the state composed from the earlier fragments' summaries (the end state from zero and the decay
+    ``exp(-rate L)`` per head, ``W = H D D + H`` floats; one all-gather per layer and direction as for the scans).
+    """
+    heads, dim = int(getattr(module, spec.heads_attr)), int(getattr(module, spec.dim_attr))
+    rate = getattr(module, spec.rate_attr).float().reshape(heads)
+
+    def call(f: Any, state: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        sub = {**named, **{n: _time_slice(named.get(n), f.row, f.start, f.length)
+                           for n in (spec.sequence, *spec.time_args) if n in named}}
+        sub[spec.cache] = None if state is None else _HandedState(state)
+        out, end = original(**sub)[:2]
+        return out, end
+
+    cp = runs.cp_size > 1
+    frags = runs.plan.fragments[runs.context.cp_rank] if cp else runs.fragments
+    sending = set(runs.plan.send[runs.context.cp_rank]) if cp else set()
+    outputs: dict[int, torch.Tensor] = {}
+    summaries: dict[int, torch.Tensor] = {}
+    ends: dict[int, torch.Tensor] = {}
+    for i, f in enumerate(frags):
+        if cp and f.continues and i not in sending:
+            continue  # run once, from its incoming state, below
+        out, end = call(f)
+        ends[f.row] = end
+        if not (cp and f.continues):
+            outputs[i] = out
+        if i in sending:
+            decay = torch.exp(-rate * f.length) if f.continues else rate.new_zeros(heads)
+            summaries[i] = torch.cat([end.float().flatten(), decay])
+    anchor = None
+    if cp and runs.plan.slots:
+        plan, ctx = runs.plan, runs.context
+        rank = ctx.cp_rank
+        width = heads * dim * dim + heads
+        x = named[spec.sequence]
+        buffer = torch.zeros(plan.slots, width, dtype=torch.float32, device=x.device)
+        if summaries:  # slot k: fragment plan.send[rank][k]
+            sent = [summaries[i] for i in plan.send[rank]]
+            buffer = torch.cat([torch.stack(sent), buffer[len(sent):]])
+        if torch.is_grad_enabled() and not buffer.requires_grad:
+            buffer.requires_grad_()  # every rank joins the gather's backward (a reduce-scatter)
+        gather = _Gather(ctx.cp_size, rank, ctx.group, datetime.timedelta(seconds=ctx.config.collective_timeout_s),
+                         step_runtime(ctx).comm)
+        gathered = _AllGather.apply(buffer, gather)  # [P * slots, W]
+        for i, srcs in plan.sources[rank].items():
+            state = None
+            for r, s in srcs:  # the earlier fragments in document order
+                row = gathered[r * plan.slots + s]
+                end = row[:heads * dim * dim].view(1, heads, dim, dim)
+                state = end if state is None else row[heads * dim * dim:].view(1, heads, 1, 1) * state + end
+            outputs[i], _ = call(frags[i], state)
+        anchor = gathered.sum() * 0  # every rank runs the gather's backward, also one that uses none of it
+    rows = []
+    for row in range(runs.batch_size):
+        pieces = [outputs[i] for i, f in enumerate(frags) if f.row == row]
+        rows.append(torch.cat(pieces, 1) if len(pieces) > 1 else pieces[0])
+    out = torch.cat(rows, 0) if len(rows) > 1 else rows[0]
+    if anchor is not None:
+        out = out + anchor.to(out.dtype)
+        return out, None
+    return out, torch.cat([ends[row] for row in range(runs.batch_size)], 0)
