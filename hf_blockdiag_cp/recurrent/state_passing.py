@@ -44,7 +44,7 @@ from .fragment_call import call_fragment, time_axis
 from .functions import ScanFunction, StatefulModule, WindowedModule
 from .runs import LocalRuns
 
-__all__ = ["run_cp", "run_stateful", "run_window", "summary_width"]
+__all__ = ["compose_stateful", "run_cp", "run_stateful", "run_window", "stateful_decay", "summary_width"]
 
 
 @dataclass(frozen=True)
@@ -343,6 +343,22 @@ def _time_slice(value: Any, row: int, start: int, length: int) -> Any:
     return value
 
 
+def stateful_decay(spec: StatefulModule, module: torch.nn.Module, length: int) -> torch.Tensor:
+    """``[H]`` fp32: how much a :class:`~.functions.StatefulModule`'s state decays over ``length`` tokens."""
+    heads = int(getattr(module, spec.heads_attr))
+    return torch.exp(-getattr(module, spec.rate_attr).float().reshape(heads) * length)
+
+
+def compose_stateful(rows: list[torch.Tensor], heads: int, dim: int) -> torch.Tensor:
+    """The state ``[1, H, D, D]`` entering a fragment from the summaries ``[H D D + H]`` (end state from zero, decay)
+    of the earlier fragments in document order, in fp32: ``S <- decay S + S_0``."""
+    state = None
+    for row in rows:
+        end = row[:heads * dim * dim].view(1, heads, dim, dim)
+        state = end if state is None else row[heads * dim * dim:].view(1, heads, 1, 1) * state + end
+    return state
+
+
 def run_stateful(spec: StatefulModule, module: torch.nn.Module, original: Callable, runs: LocalRuns,
                  named: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor | None]:
     """A stateful module (:class:`~.functions.StatefulModule`) once per fragment: ``(out [B, T, C], ends)``, ``ends``
@@ -376,7 +392,7 @@ def run_stateful(spec: StatefulModule, module: torch.nn.Module, original: Callab
         if not (cp and f.continues):
             outputs[i] = out
         if i in sending:
-            decay = torch.exp(-rate * f.length) if f.continues else rate.new_zeros(heads)
+            decay = stateful_decay(spec, module, f.length) if f.continues else rate.new_zeros(heads)
             summaries[i] = torch.cat([end.float().flatten(), decay])
     anchor = None
     if cp and runs.plan.slots:
@@ -394,11 +410,7 @@ def run_stateful(spec: StatefulModule, module: torch.nn.Module, original: Callab
                          step_runtime(ctx).comm)
         gathered = _AllGather.apply(buffer, gather)  # [P * slots, W]
         for i, srcs in plan.sources[rank].items():
-            state = None
-            for r, s in srcs:  # the earlier fragments in document order
-                row = gathered[r * plan.slots + s]
-                end = row[:heads * dim * dim].view(1, heads, dim, dim)
-                state = end if state is None else row[heads * dim * dim:].view(1, heads, 1, 1) * state + end
+            state = compose_stateful([gathered[r * plan.slots + s] for r, s in srcs], heads, dim)
             outputs[i], _ = call(frags[i], state)
         anchor = gathered.sum() * 0  # every rank runs the gather's backward, also one that uses none of it
     rows = []
