@@ -14,7 +14,9 @@ passes them. Fused GPU paths (:data:`~.functions.FUSED`) are skipped with packed
 as their torch stand-ins do, and the layer runs its unfused, served path). A windowed module
 (:data:`~.functions.WINDOWED`, or its plain ``nn.Conv1d`` child) gets an instance ``forward`` that runs it once per
 fragment (:func:`~.state_passing.run_window`). A mixer whose scan is an instance method (:data:`~.functions.METHODS`)
-gets an instance attribute of that name, served like a wrapper's ``forward``.
+gets an instance attribute of that name, served like a wrapper's ``forward``. A mixer whose recurrence runs inside its
+own ``forward`` (:data:`~.functions.STATEFUL`) gets an instance ``forward`` that runs it whole once per fragment
+(:func:`~.state_passing.run_stateful`).
 """
 
 from __future__ import annotations
@@ -65,8 +67,9 @@ def is_served(module: torch.nn.Module) -> bool:
         return WINDOWED[cls_name].child is None
     if cls_name in METHODS:
         return callable(getattr(module, METHODS[cls_name].name, None))
-    if cls_name in STATEFUL:
-        return True
+    if cls_name in STATEFUL:  # the attributes its summary reads (a rename refuses the model instead of failing later)
+        spec = STATEFUL[cls_name]
+        return all(hasattr(module, a) for a in (spec.layer_attr, spec.heads_attr, spec.dim_attr, spec.rate_attr))
     funcs = mixer_functions(module)
     return funcs is not None and any(name in SCANS for name in funcs) and not unserved_functions(module)
 
