@@ -163,6 +163,12 @@ def _held_runs(probe: Any) -> LocalRuns | None:
     return probe.runs if probe.holds_step() else None
 
 
+def _served_call(self: torch.nn.Module) -> tuple[Callable, LocalRuns | None, Any]:
+    """``(original callable, fragments of the forward in progress or None, probe)`` of a served wrapper or module."""
+    probe = self.__dict__[_PROBE_KEY]
+    return self.__dict__[INSTALLED_ATTR], _held_runs(probe), probe
+
+
 def _fused_forward(self: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
     if _held_runs(self.__dict__[_PROBE_KEY]) is not None:
         # The fused kernel runs the whole row in one call (state across documents). ``None`` is what its torch
@@ -172,9 +178,7 @@ def _fused_forward(self: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
 
 
 def _scan_forward(self: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
-    probe = self.__dict__[_PROBE_KEY]
-    original = self.__dict__[INSTALLED_ATTR]
-    runs = _held_runs(probe)
+    original, runs, probe = _served_call(self)
     if runs is None:
         return original(*args, **kwargs)
     probe.attention_calls += 1
@@ -183,9 +187,7 @@ def _scan_forward(self: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
 
 def _method_forward(self: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
     """A :data:`~.functions.METHODS` scan method: the original, or once per fragment with packed rows."""
-    probe = self.__dict__[_PROBE_KEY]
-    original = self.__dict__[INSTALLED_ATTR]
-    runs = _held_runs(probe)
+    original, runs, probe = _served_call(self)
     if runs is None:
         return original(*args, **kwargs)
     probe.attention_calls += 1
@@ -194,9 +196,7 @@ def _method_forward(self: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
 
 def _stateful_forward(self: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
     """A :data:`~.functions.STATEFUL` module: the original, or once per fragment with packed rows."""
-    probe = self.__dict__[_PROBE_KEY]
-    original = self.__dict__[INSTALLED_ATTR]
-    runs = _held_runs(probe)
+    original, runs, probe = _served_call(self)
     if runs is None:
         return original(*args, **kwargs)
     probe.attention_calls += 1
@@ -220,9 +220,7 @@ def _stateful_forward(self: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
 
 
 def _window_forward(self: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
-    probe = self.__dict__[_PROBE_KEY]
-    original = self.__dict__[INSTALLED_ATTR]
-    runs = _held_runs(probe)
+    original, runs, probe = _served_call(self)
     if runs is None:
         return original(*args, **kwargs)
     spec = WINDOWED[self.__dict__[_NAME_KEY]]
