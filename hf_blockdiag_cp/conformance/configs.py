@@ -76,6 +76,7 @@ CONFIG_FIXES: dict[str, dict[str, Any]] = {
     "reformer": {"is_decoder": True, "axial_pos_embds": False},
     # Default configs without the architecture's characteristic layers: add one of each kind.
     "lfm2": {"layer_types": ["conv", "full_attention"], "full_attn_idxs": [1]},
+    "recurrent_gemma": {"block_types": ["recurrent", "attention"]},
 }
 
 

@@ -31,10 +31,12 @@ from transformers import PreTrainedModel
 from ..compat import can_set_attn_implementation, config_attn_implementation
 from ..config import ATTN_IMPLEMENTATION
 from ..errors import UnsupportedModel
-from ..recurrent.install import is_served
+from ..recurrent.functions import POSITION_RESETS
+from ..recurrent.install import served_modules
 
 __all__ = ["UnsupportedModel", "has_absolute_positions", "loss_refusal", "model_type", "packing_refusal",
-           "padding_refusal", "refuse_bypassing_model", "require_blockdiag_cp", "uses_blockdiag_cp"]
+           "padding_refusal", "refuse_bypassing_model", "require_blockdiag_cp", "resets_at_position_zero",
+           "uses_blockdiag_cp"]
 
 #: Class-name patterns of token mixers other than attention (checked against every submodule).
 _MIXER_PATTERN = re.compile(
@@ -94,7 +96,7 @@ def packing_refusal(model: torch.nn.Module) -> str | None:
     name_of_model = model_type(model)
     # Recurrent mixers run per document fragment (hf_blockdiag_cp.recurrent): they, their convolutions and the
     # blocks around them (MambaBlock, ...DecoderLayer) carry no state across documents any more.
-    served = [name for name, sub in model.named_modules() if is_served(sub)]
+    served = served_modules(model)
     prefix = re.sub(r"(ForCausalLM|Model|LMHeadModel|PreTrainedModel)$", "", type(model).__name__)
     for name, sub in model.named_modules():
         if isinstance(sub, PreTrainedModel):  # the model classes themselves are named after the architecture
@@ -215,6 +217,12 @@ def loss_refusal(model: torch.nn.Module) -> str | None:
             "end and CP boundary) and num_items_in_batch, and would train another objective; pass no labels / "
             "shift_labels to the model and compute the loss from its logits with the batch's shift_labels "
             "(cross_entropy(logits, shift_labels, ignore_index=-100, reduction='sum') / num_items_in_batch)")
+
+
+def resets_at_position_zero(model: torch.nn.Module) -> bool:
+    """Whether a recurrent mixer of ``model`` reads ``position_ids`` for its document resets (RecurrentGemma's
+    RG-LRU): a packed batch then needs per-document ``position_ids``, like absolute position embeddings."""
+    return any(type(sub).__name__ in POSITION_RESETS for sub in model.modules())
 
 
 def has_absolute_positions(model: torch.nn.Module) -> bool:

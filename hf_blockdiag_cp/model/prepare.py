@@ -55,6 +55,7 @@ from .detect import (
     model_type,
     packing_refusal,
     padding_refusal,
+    resets_at_position_zero,
     uses_blockdiag_cp,
 )
 from .forward_agreement import agree_forward
@@ -77,6 +78,8 @@ class ForwardProbe:
         model_type: ``config.model_type`` (for messages).
         refusal: why rows with more than one document (or a CP shard) would be computed wrongly.
         absolute_positions: the model adds learned/absolute position embeddings (``position_ids`` needed).
+        position_resets: a recurrent mixer of the model restarts where ``position_ids`` are 0 (``position_ids``
+            needed; :data:`~hf_blockdiag_cp.recurrent.functions.POSITION_RESETS`).
         attention_calls: calls of the ``"blockdiag_cp"`` attention function by this model's layers.
         starts: ``attention_calls`` at the start of the forward of each hooked module (by ``id``).
         loss_refusal: why the model's own loss cannot take the collator's ``shift_labels``, or ``None``.
@@ -95,6 +98,7 @@ class ForwardProbe:
     model_type: str
     refusal: str | None = None
     absolute_positions: bool = False
+    position_resets: bool = False
     attention_calls: int = 0
     starts: dict[int, int] = field(default_factory=dict)
     loss_refusal: str | None = None
@@ -176,6 +180,7 @@ def prepare_model(model: torch.nn.Module, *, strict: bool = False) -> torch.nn.M
     probe.model_type = model_type(model)
     probe.refusal = packing_refusal(model)
     probe.absolute_positions = has_absolute_positions(model)
+    probe.position_resets = resets_at_position_zero(model)
     probe.loss_refusal = loss_refusal(model)
     probe.padding_refusal = padding_refusal(model)
     probe.head_refusal = row_pooling_refusal(model) or probe.head_refusal  # a wrapper keeps its wrapped model's
@@ -273,7 +278,7 @@ def _refuse(module: torch.nn.Module, probe: ForwardProbe, args: tuple, kwargs: d
         _refuse_loss(probe, arguments(module, args, kwargs))
     if probe.padding_refusal is not None:
         _refuse_padding(probe, arguments(module, args, kwargs))
-    if probe.refusal is None and not probe.absolute_positions:
+    if probe.refusal is None and not probe.absolute_positions and not probe.position_resets:
         return
     named = arguments(module, args, kwargs)
     if probe.refusal is not None:
@@ -282,8 +287,10 @@ def _refuse(module: torch.nn.Module, probe: ForwardProbe, args: tuple, kwargs: d
             raise UnsupportedModel(f"blockdiag_cp cannot compute this batch ({found}) exactly: {probe.refusal}")
     elif named.get("position_ids") is None and (named.get("cu_seq_lens_q") is not None
                                                  or named.get("cp_context") is not None):
+        what = ("adds absolute position embeddings" if probe.absolute_positions else
+                "restarts its recurrence (and skips its input normalisation) where position_ids are 0")
         raise UnsupportedModel(
-            f"{probe.model_type} adds absolute position embeddings but this packed batch has no position_ids: every "
+            f"{probe.model_type} {what} but this packed batch has no position_ids: every "
             "document after the first would get the positions of its place in the row; pass the per-document "
             "position_ids (PackingCollator and DataCollatorWithFlattening emit them), or call "
             "hf_blockdiag_cp.guard_model(model) to have them supplied from the cp_context")

@@ -16,7 +16,10 @@ Each function is one of three kinds:
   layers then take their unfused path).
 
 Modules that mix tokens with a plain ``nn.Conv1d`` and no replaceable function are listed in :data:`WINDOWED` by
-class name and served whole, once per fragment.
+class name and served whole, once per fragment (or, for a plain ``nn.Conv1d`` child of such a module, the child).
+Mixers whose scan is an instance method of the module rather than a replaceable function are listed in
+:data:`METHODS` by the module's class name; the method is served like a scan (an instance attribute shadows it).
+Mixers whose linear recurrence runs inside their own ``forward`` are listed in :data:`STATEFUL` and served whole.
 
 A transformers upgrade that renames one of them fails ``tests/recurrent/test_functions.py`` (the names and
 parameters below are checked against the installed model files), not a user.
@@ -26,7 +29,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["COMPOSITES", "FUSED", "SCANS", "WINDOWED", "ScanFunction", "WindowedModule", "mixer_functions"]
+import torch
+
+__all__ = ["COMPOSITES", "FUSED", "METHODS", "POSITION_RESETS", "SCANS", "STATEFUL", "WINDOWED", "ScanFunction",
+           "StatefulModule", "WindowedModule", "conv_window", "mixer_functions"]
 
 
 @dataclass(frozen=True)
@@ -41,7 +47,8 @@ class ScanFunction:
         state_in: the initial-state parameter (``None``: the function takes none).
         state_flag: the parameter asking for the final state.
         returns_tuple: the output is always ``(out, state)``; otherwise a tuple only when ``state_flag`` is true.
-        kind: ``"conv"``, ``"ssd"``, ``"delta"``, ``"kda"`` or ``"selective"``.
+        kind: ``"conv"``, ``"ssd"``, ``"delta"``, ``"kda"``, ``"selective"`` or ``"diag"`` (a diagonal linear
+            recurrence ``h_t = a_t * h_{t-1} + x_t``, state ``[B, W]`` fp32).
     """
 
     name: str
@@ -76,6 +83,22 @@ SCANS: dict[str, ScanFunction] = {f.name: f for f in (
                  None, "return_last_state", False, "selective"),
 )}
 
+#: Instance methods served per document fragment like :data:`SCANS`, by the class name of the module holding them
+#: (``name`` is the method's). RecurrentGemma's RG-LRU: ``_rnn_scan(hidden_states [B, T, W], recurrent_gate
+#: [B, T, W], reset [B, T, 1], recurrent_states [B, W] | None)`` runs ``h_t = a_t * (not reset_t) * h_{t-1} + x_t``
+#: in fp32 and returns ``(out [B, T, W], h_T [B, W])``.
+METHODS: dict[str, ScanFunction] = {
+    "RecurrentGemmaRglru": ScanFunction("_rnn_scan", ("hidden_states", "recurrent_gate", "reset", "recurrent_states",
+                                                      "acc_dtype"),
+                                        {n: 1 for n in ("hidden_states", "recurrent_gate", "reset")}, 1,
+                                        "recurrent_states", None, True, "diag"),
+}
+
+#: Classes of :data:`METHODS` whose module derives more than the scan's resets from ``position_ids`` (RG-LRU: the
+#: input normalisation ``sqrt(1 - a^2)`` is skipped where they are 0): a packed batch must carry per-document
+#: ``position_ids`` (refused otherwise, as for absolute position embeddings).
+POSITION_RESETS: frozenset[str] = frozenset({"RecurrentGemmaRglru"})
+
 #: Functions that dispatch to :data:`SCANS` (torch path) or only step one token with a cache.
 COMPOSITES: frozenset[str] = frozenset({
     "causal_conv1d_forward", "causal_conv1d_update", "mamba2_scan_forward", "mamba_scan_forward",
@@ -94,32 +117,102 @@ class WindowedModule:
     dropped.
 
     Attributes:
-        name: the module's class name (transformers 5.25).
+        name: the module's class name (transformers 5.25); with ``child``, the class of the module holding it.
         params: its ``forward``'s parameters in order (to bind positional arguments).
-        sequence: the input ``[B, T, C]`` (time axis 1); every output has its time axis at 1.
+        sequence: the input ``[B, T, C]`` (time axis 1) or ``[B, C, T]`` (``time_dim=-1``); every output has its
+            time axis at ``time_dim``, and its first ``T`` steps are the outputs of the ``T`` inputs.
         mask: an optional padding mask ``[B, T]`` sliced with the sequence.
-        cache: the cache parameter (must be ``None`` with packed rows).
-        window_attr: the module attribute holding how many earlier inputs an output reads (at least 1).
+        cache: the cache parameter (must be ``None`` with packed rows), if any.
+        window_attr: the module attribute holding how many earlier inputs an output reads (at least 1); ``None``
+            for a plain ``nn.Conv1d`` (:func:`conv_window`).
+        child: the served module is this plain ``nn.Conv1d`` attribute of the ``name`` module, not that module.
+        time_dim: the time axis of the sequence and the outputs (1 or -1).
+        owner_reads: for a ``child``: the expression in the owner's ``forward`` that reads the child's output. A
+            served child returns the ``T`` outputs of its ``T`` inputs only (a padded ``nn.Conv1d`` returns more),
+            which is all this expression reads; checked against the owner's source by the tests.
     """
 
     name: str
     params: tuple[str, ...]
     sequence: str
     mask: str | None
-    cache: str
-    window_attr: str
+    cache: str | None
+    window_attr: str | None
+    child: str | None = None
+    time_dim: int = 1
+    owner_reads: str | None = None
 
 
 #: Modules served whole per fragment, by class name: zaya's compressed convolutional attention projection (two
 #: ``nn.Conv1d`` over ``(cca_time0 - 1) + (cca_time1 - 1)`` earlier q/k inputs, and a value half from the previous
-#: token).
+#: token); RecurrentGemma's depthwise ``conv_1d`` (channels first, padded by ``K - 1`` on both sides, the block
+#: keeping the first ``T`` outputs).
 WINDOWED: dict[str, WindowedModule] = {m.name: m for m in (
     WindowedModule("ZayaCCAProjection", ("hidden_states", "cache", "conv_mask"), "hidden_states", "conv_mask",
                    "cache", "conv_kernel_size"),
+    WindowedModule("RecurrentGemmaRecurrentBlock", ("input",), "input", None, None, None, child="conv_1d",
+                   time_dim=-1, owner_reads="self.conv_1d(x_branch)[..., :seq_len]"),
 )}
+
+
+def conv_window(conv: torch.nn.Module) -> int | None:
+    """Earlier inputs each of the first ``T`` outputs of a plain ``nn.Conv1d`` reads (``(K - 1) * dilation``), or
+    ``None`` when the convolution is not causal that way (stride > 1, other padding): then it is not served."""
+    if not isinstance(conv, torch.nn.Conv1d):
+        return None
+    window = (conv.kernel_size[0] - 1) * conv.dilation[0]
+    if conv.stride != (1,) or conv.padding != (window,) or conv.padding_mode != "zeros" or window < 1:
+        return None
+    return window
 
 
 def mixer_functions(module: object) -> dict[str, object] | None:
     """The private per-instance wrappers of a module decorated with ``use_kernelized_func`` (``None``: none)."""
     funcs = getattr(module, "__dict__", {}).get("_kernel_funcs")
     return funcs if isinstance(funcs, dict) and funcs else None
+
+
+@dataclass(frozen=True)
+class StatefulModule:
+    """A token mixer whose linear recurrence runs inside its own ``forward`` (no replaceable function or method), all
+    else in it per token. Served whole, once per fragment (the instance ``forward`` is replaced): without a cache the
+    forward starts from a zero state and returns ``(out, end state)``; a fragment that continues a document runs with
+    a stand-in cache that hands it the composed incoming state (the forward's own cached path, token by token).
+
+    Attributes:
+        name: the module's class name (transformers 5.25).
+        params: its ``forward``'s parameters in order (to bind positional arguments).
+        sequence: the input ``[B, T, C]`` (time axis 1); the output ``[B, T, C]`` too.
+        time_args: other parameters with a time axis at 1, tensors or tuples of tensors (rotary ``(cos, sin)``,
+            a padding mask), sliced with the sequence.
+        cache: the cache parameter; the stand-in is passed there. With packed rows a given cache must hold no state
+            for the layer yet (a prefill, e.g. ``generate()`` on left-padded rows, CP = 1): it then gets the end
+            state of each row's last fragment, as the stock forward leaves it.
+        cache_get / cache_set: the cache's methods the forward reads and writes its state with (``(layer_idx)``,
+            ``(layer_idx, state)``).
+        layer_attr: the module attribute holding its layer index.
+        heads_attr / dim_attr: module attributes giving the state ``[H, D, D]``.
+        rate_attr: module buffer ``[H, ...]`` of the per-token decay rate: the state decays by ``exp(-rate)`` a token.
+    """
+
+    name: str
+    params: tuple[str, ...]
+    sequence: str
+    time_args: tuple[str, ...]
+    cache: str
+    cache_get: str
+    cache_set: str
+    layer_attr: str
+    heads_attr: str
+    dim_attr: str
+    rate_attr: str
+
+
+#: Modules served whole per fragment with their state passed between fragments, by class name: MiniMax's lightning
+#: attention (``S_t = exp(-slope) S_{t-1} + k_t^T v_t``, ``o_t = q_t S_t`` per head, then a per-token norm and gate;
+#: its cache is read with ``get_linear_cache(layer_idx)`` and written with ``set_linear_cache``).
+STATEFUL: dict[str, StatefulModule] = {m.name: m for m in (
+    StatefulModule("MiniMaxLightningAttention", ("hidden_states", "position_embeddings", "attention_mask", "cache"),
+                   "hidden_states", ("position_embeddings", "attention_mask"), "cache", "get_linear_cache",
+                   "set_linear_cache", "layer_idx", "num_attention_heads", "head_dim", "slope_rate"),
+)}

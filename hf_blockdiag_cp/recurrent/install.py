@@ -13,8 +13,11 @@ The fragments come from the forward's preparation (the model pre-hook stores the
 layer that drops the model's keyword arguments (jamba, mamba, falcon_mamba) is served as well as one that
 passes them. Fused GPU paths (:data:`~.functions.FUSED`) are skipped with packed rows (they return ``None``,
 as their torch stand-ins do, and the layer runs its unfused, served path). A windowed module
-(:data:`~.functions.WINDOWED`) gets an instance ``forward`` that runs it once per fragment
-(:func:`~.state_passing.run_window`).
+(:data:`~.functions.WINDOWED`, or its plain ``nn.Conv1d`` child) gets an instance ``forward`` that runs it once per
+fragment (:func:`~.state_passing.run_window`). A mixer whose scan is an instance method (:data:`~.functions.METHODS`)
+gets an instance attribute of that name, served like a wrapper's ``forward``. A mixer whose recurrence runs inside its
+own ``forward`` (:data:`~.functions.STATEFUL`) gets an instance ``forward`` that runs it whole once per fragment
+(:func:`~.state_passing.run_stateful`).
 """
 
 from __future__ import annotations
@@ -28,12 +31,23 @@ import torch
 from ..errors import UnsupportedModel
 from .agreement import agree_recurrent
 from .fragment_call import bind, call_fragment, time_axis
-from .functions import COMPOSITES, FUSED, SCANS, WINDOWED, ScanFunction, mixer_functions
+from .functions import (
+    COMPOSITES,
+    FUSED,
+    METHODS,
+    SCANS,
+    STATEFUL,
+    WINDOWED,
+    ScanFunction,
+    conv_window,
+    mixer_functions,
+)
 from .head_parallel import run_heads
 from .runs import LocalRuns
-from .state_passing import run_cp, run_window
+from .state_passing import run_cp, run_stateful, run_window
 
-__all__ = ["INSTALLED_ATTR", "install_recurrent", "is_served", "uninstall_recurrent", "unserved_functions"]
+__all__ = ["INSTALLED_ATTR", "install_recurrent", "is_served", "served_modules", "uninstall_recurrent",
+           "unserved_functions"]
 
 #: Attribute on a served private wrapper: the original bound ``forward`` (the model's own function).
 INSTALLED_ATTR = "_blockdiag_cp_original"
@@ -49,11 +63,39 @@ def unserved_functions(module: torch.nn.Module) -> list[str]:
 
 
 def is_served(module: torch.nn.Module) -> bool:
-    """Whether ``module`` is a recurrent mixer whose every scan is served per fragment (or a windowed module)."""
-    if type(module).__name__ in WINDOWED:
-        return True
+    """Whether ``module`` is a recurrent mixer whose every scan is served per fragment (or a windowed module, or a
+    mixer whose scan method is served). The ``nn.Conv1d`` child of a windowed owner: :func:`served_modules`."""
+    cls_name = type(module).__name__
+    if cls_name in WINDOWED:
+        return WINDOWED[cls_name].child is None
+    if cls_name in METHODS:
+        return callable(getattr(module, METHODS[cls_name].name, None))
+    if cls_name in STATEFUL:  # the attributes its summary reads (a rename refuses the model instead of failing later)
+        spec = STATEFUL[cls_name]
+        return all(hasattr(module, a) for a in (spec.layer_attr, spec.heads_attr, spec.dim_attr, spec.rate_attr))
     funcs = mixer_functions(module)
     return funcs is not None and any(name in SCANS for name in funcs) and not unserved_functions(module)
+
+
+def _served_child(module: torch.nn.Module) -> tuple[str, torch.nn.Module] | None:
+    """``(attribute, conv)`` when ``module`` owns a plain causal ``nn.Conv1d`` served per fragment (``WINDOWED``)."""
+    spec = WINDOWED.get(type(module).__name__)
+    if spec is None or spec.child is None:
+        return None
+    child = getattr(module, spec.child, None)
+    return (spec.child, child) if conv_window(child) is not None else None
+
+
+def served_modules(model: torch.nn.Module) -> list[str]:
+    """Names (as in ``named_modules``) of ``model``'s submodules served per document fragment."""
+    names = []
+    for name, module in model.named_modules():
+        if is_served(module):
+            names.append(name)
+        child = _served_child(module)
+        if child is not None:
+            names.append(f"{name}.{child[0]}" if name else child[0])
+    return names
 
 
 def install_recurrent(model: torch.nn.Module, probe: Any) -> int:
@@ -70,14 +112,23 @@ def install_recurrent(model: torch.nn.Module, probe: Any) -> int:
     """
     count = 0
     for module in model.modules():
+        cls_name = type(module).__name__
+        child = _served_child(module)
+        if child is not None:
+            count += 1
+            _install(child[1], "forward", _window_forward, probe, cls_name)
+            continue
         if not is_served(module):
             continue
         count += 1
-        if type(module).__name__ in WINDOWED:
-            module.__dict__[_PROBE_KEY] = probe
-            if INSTALLED_ATTR not in module.__dict__:
-                module.__dict__[INSTALLED_ATTR] = module.forward
-                module.forward = MethodType(_window_forward, module)
+        if cls_name in WINDOWED:
+            _install(module, "forward", _window_forward, probe, cls_name)
+            continue
+        if cls_name in METHODS:
+            _install(module, METHODS[cls_name].name, _method_forward, probe, cls_name)
+            continue
+        if cls_name in STATEFUL:
+            _install(module, "forward", _stateful_forward, probe, cls_name)
             continue
         for name, wrapper in mixer_functions(module).items():
             if name not in SCANS and name not in FUSED:
@@ -93,12 +144,32 @@ def install_recurrent(model: torch.nn.Module, probe: Any) -> int:
 
 _PROBE_KEY = "_blockdiag_cp_probe"
 _NAME_KEY = "_blockdiag_cp_name"
+#: On a served module: the attribute its instance shadows (``forward``, or a :data:`~.functions.METHODS` name).
+_ATTR_KEY = "_blockdiag_cp_attr"
+
+
+def _install(module: torch.nn.Module, attr: str, forward: Callable, probe: Any, key: str) -> None:
+    """Shadow ``module.<attr>`` by ``forward`` bound to ``module`` (its original kept; idempotent); ``key``: the
+    table entry (class name) that serves it."""
+    module.__dict__[_PROBE_KEY] = probe
+    if INSTALLED_ATTR in module.__dict__:
+        return
+    module.__dict__[INSTALLED_ATTR] = getattr(module, attr)
+    module.__dict__[_NAME_KEY] = key
+    module.__dict__[_ATTR_KEY] = attr
+    module.__dict__[attr] = MethodType(forward, module)
 
 
 def _held_runs(probe: Any) -> LocalRuns | None:
     """The fragments of the forward in progress (or being recomputed in backward); ``None`` for one document per
     row and for a later direct call of a submodule, whose model pre-hook did not run."""
     return probe.runs if probe.holds_step() else None
+
+
+def _served_call(self: torch.nn.Module) -> tuple[Callable, LocalRuns | None, Any]:
+    """``(original callable, fragments of the forward in progress or None, probe)`` of a served wrapper or module."""
+    probe = self.__dict__[_PROBE_KEY]
+    return self.__dict__[INSTALLED_ATTR], _held_runs(probe), probe
 
 
 def _fused_forward(self: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
@@ -110,32 +181,65 @@ def _fused_forward(self: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
 
 
 def _scan_forward(self: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
-    probe = self.__dict__[_PROBE_KEY]
-    original = self.__dict__[INSTALLED_ATTR]
-    runs = _held_runs(probe)
+    original, runs, probe = _served_call(self)
     if runs is None:
         return original(*args, **kwargs)
     probe.attention_calls += 1
     return run_fragments(SCANS[self.__dict__[_NAME_KEY]], original, runs, args, kwargs)
 
 
-def _window_forward(self: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
-    probe = self.__dict__[_PROBE_KEY]
-    original = self.__dict__[INSTALLED_ATTR]
-    runs = _held_runs(probe)
+def _method_forward(self: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
+    """A :data:`~.functions.METHODS` scan method: the original, or once per fragment with packed rows."""
+    original, runs, probe = _served_call(self)
     if runs is None:
         return original(*args, **kwargs)
-    spec = WINDOWED[type(self).__name__]
+    probe.attention_calls += 1
+    return run_fragments(METHODS[self.__dict__[_NAME_KEY]], original, runs, args, kwargs)
+
+
+def _stateful_forward(self: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
+    """A :data:`~.functions.STATEFUL` module: the original, or once per fragment with packed rows."""
+    original, runs, probe = _served_call(self)
+    if runs is None:
+        return original(*args, **kwargs)
+    probe.attention_calls += 1
+    spec = STATEFUL[self.__dict__[_NAME_KEY]]
     named = bind(spec, args, kwargs)
-    for key in _PACKING_KEYWORDS:  # the fragments replace them (a module reading seq_idx would reset twice)
+    for key in _PACKING_KEYWORDS:  # the fragments replace them
         named.pop(key, None)
-    if named.get(spec.cache) is not None:
-        raise UnsupportedModel(f"{spec.name} got a cache with packed rows; blockdiag_cp trains packed rows without a "
-                               "cache (pass use_cache=False)")
-    window = max(1, int(getattr(self, spec.window_attr)))
+    cache = named.pop(spec.cache, None)
+    layer = getattr(self, spec.layer_attr)
+    if cache is not None and (runs.cp_size > 1 or getattr(cache, spec.cache_get)(layer) is not None):
+        raise UnsupportedModel(f"{spec.name} got a cache with packed rows under context parallelism or holding a "
+                               "state; blockdiag_cp trains packed rows without a cache (pass use_cache=False)")
     lead = named[spec.sequence]
     if lead.shape[0] != runs.batch_size or lead.shape[1] != runs.local_len:
         raise ValueError(f"{spec.name} got rows [B={lead.shape[0]}, T={lead.shape[1]}] but this forward's packed "
+                         f"batch has [B={runs.batch_size}, L={runs.local_len}]")
+    if runs.cp_size > 1:
+        agree_recurrent(runs.context, lead.device)
+    out, ends = run_stateful(spec, self, original, runs, named)
+    if cache is not None:  # a prefill: each row's state is its last fragment's, as the stock forward leaves it
+        getattr(cache, spec.cache_set)(layer, ends)
+    return out, ends
+
+
+def _window_forward(self: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
+    original, runs, probe = _served_call(self)
+    if runs is None:
+        return original(*args, **kwargs)
+    spec = WINDOWED[self.__dict__[_NAME_KEY]]
+    named = bind(spec, args, kwargs)
+    for key in _PACKING_KEYWORDS:  # the fragments replace them (a module reading seq_idx would reset twice)
+        named.pop(key, None)
+    if spec.cache is not None and named.get(spec.cache) is not None:
+        raise UnsupportedModel(f"{spec.name} got a cache with packed rows; blockdiag_cp trains packed rows without a "
+                               "cache (pass use_cache=False)")
+    window = conv_window(self) if spec.window_attr is None else max(1, int(getattr(self, spec.window_attr)))
+    lead = named[spec.sequence]
+    length = lead.shape[time_axis(lead, spec.time_dim)]
+    if lead.shape[0] != runs.batch_size or length != runs.local_len:
+        raise ValueError(f"{spec.name} got rows [B={lead.shape[0]}, T={length}] but this forward's packed "
                          f"batch has [B={runs.batch_size}, L={runs.local_len}]")
     if runs.cp_size > 1:
         agree_recurrent(runs.context, lead.device)
@@ -192,7 +296,7 @@ def uninstall_recurrent(model: torch.nn.Module) -> None:
     """Give every served wrapper of ``model`` its original ``forward`` back."""
     for module in model.modules():
         if module.__dict__.pop(INSTALLED_ATTR, None) is not None:
-            for key in ("forward", _PROBE_KEY):
+            for key in (module.__dict__.pop(_ATTR_KEY, "forward"), _PROBE_KEY, _NAME_KEY):
                 module.__dict__.pop(key, None)
         for wrapper in (mixer_functions(module) or {}).values():
             if wrapper.__dict__.pop(INSTALLED_ATTR, None) is not None:

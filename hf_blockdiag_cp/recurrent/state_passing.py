@@ -12,7 +12,13 @@ document order, in fp32, and is run again from the state so composed. Summaries 
   ``exp(sum_t dt_t A)`` per head, ``W = H P N + H``; composed as ``S <- decay * S + S_0``;
 - gated delta rule / KDA (state ``[H, Dk, Dv]``): the end state from zero and the transition ``M [H, Dk, Dk]``
   with ``S_end = M S_in + S_0``, ``W = H Dk Dv + H Dk Dk``; ``M`` is the model's own function run on the fragment
-  with zero values and the identity as initial state (the map is linear in the state).
+  with zero values and the identity as initial state (the map is linear in the state);
+- diagonal linear recurrence (RecurrentGemma's RG-LRU, state ``[W_h]``): the end state from zero and the product
+  of the fragment's decays ``prod_t a_t`` (the model's own scan on zero inputs from a state of ones),
+  ``W = 2 W_h``; composed as ``h <- prod_a * h + h_0``;
+- a module with its recurrence inside (MiniMax's lightning attention, state ``[H, D, D]``, per-token decay
+  ``exp(-rate)`` per head): the end state its forward returns from zero and ``exp(-rate L)``, ``W = H D D + H``;
+  composed as ``S <- decay S + S_0`` (:func:`run_stateful`).
 
 Each rank sends ``slots`` summaries (the same on every rank, padded), so the all-gather has one fixed shape:
 per layer and direction a rank sends ``(P - 1) * slots * W * 4`` bytes, whatever the row length. Autograd runs
@@ -35,10 +41,10 @@ from ..distributed.exchange import _AllGather
 from ..errors import UnsupportedModel
 from ..runtime import step_runtime
 from .fragment_call import call_fragment, time_axis
-from .functions import ScanFunction, WindowedModule
+from .functions import ScanFunction, StatefulModule, WindowedModule
 from .runs import LocalRuns
 
-__all__ = ["run_cp", "run_window", "summary_width"]
+__all__ = ["compose_stateful", "run_cp", "run_stateful", "run_window", "stateful_decay", "summary_width"]
 
 
 @dataclass(frozen=True)
@@ -63,6 +69,8 @@ def summary_width(spec: ScanFunction, named: dict[str, Any]) -> int:
         return heads * x.shape[3] * b.shape[3] + heads
     if spec.kind == "selective":
         return 2 * named["A"].numel()
+    if spec.kind == "diag":
+        return 2 * named["hidden_states"].shape[-1]
     key, value = named["key"], named["value"]
     heads, dk, dv = value.shape[2], key.shape[3], value.shape[3]
     return heads * dk * dv + heads * dk * dk
@@ -96,6 +104,9 @@ def _state_shapes(spec: ScanFunction, named: dict[str, Any]) -> tuple[tuple[int,
     if spec.kind == "selective":
         a = named["A"]
         return (1, *a.shape), (1, *a.shape)
+    if spec.kind == "diag":
+        width = named["hidden_states"].shape[-1]
+        return (1, width), (1, width)
     if spec.kind == "ssd":
         x, b = named["hidden_states"], named["B"]
         return (1, x.shape[2], x.shape[3], b.shape[3]), (1, x.shape[2])
@@ -105,17 +116,18 @@ def _state_shapes(spec: ScanFunction, named: dict[str, Any]) -> tuple[tuple[int,
 
 def _transition(spec: ScanFunction, original: Callable, named: dict[str, Any], row: int, start: int,
                 length: int) -> torch.Tensor:
-    """The fragment's state map as a tensor: SSD ``[1, H]`` decay, delta rule ``[1, H, Dk, Dk]`` ``M``."""
+    """The fragment's state map as a tensor: SSD ``[1, H]`` decay, delta rule ``[1, H, Dk, Dk]`` ``M``, diagonal
+    recurrence ``[1, W]`` ``prod_t a_t``."""
     end_shape, _ = _state_shapes(spec, named)
     if spec.kind == "selective":
         delta, a = _selective_delta(named, row, start, length)
         return torch.exp(a.float()[None] * delta.float().sum(-1)[..., None])  # [1, D, N]
-    if spec.kind == "ssd":
+    if spec.kind in ("ssd", "diag"):  # the model's own scan on zero inputs from a state of ones: the decay
         x = named["hidden_states"]
         zero = {"hidden_states": lambda t: torch.zeros_like(t)}
         ones = torch.ones(end_shape, dtype=torch.float32, device=x.device)
         _, end = call_fragment(spec, original, named, row, start, length, ones, True, zero)
-        return end[..., 0, 0].float()
+        return end.float() if spec.kind == "diag" else end[..., 0, 0].float()
     key = named["key"]
     dk = key.shape[3]
     zero = {"value": lambda t: t.new_zeros(*t.shape[:3], dk)}
@@ -142,7 +154,7 @@ def run_cp(spec: ScanFunction, original: Callable, runs: LocalRuns, named: dict[
     sending = set(plan.send[rank])
     width = summary_width(spec, named)
     outputs: dict[int, torch.Tensor] = {}
-    summaries: list[torch.Tensor] = []
+    summaries: dict[int, torch.Tensor] = {}  # by fragment index; sent in slot order (plan.send)
     for i, f in enumerate(frags):
         if spec.kind == "conv":
             if not f.continues:
@@ -155,20 +167,23 @@ def run_cp(spec: ScanFunction, original: Callable, runs: LocalRuns, named: dict[
         if not f.continues or spec.kind == "selective":  # Mamba1 adds the incoming state's part later
             outputs[i] = out
         if i in sending:
-            summaries.append(torch.cat([end.float().flatten(),
-                                        _transition(spec, original, named, f.row, f.start, f.length).flatten()
-                                        if f.continues else end.new_zeros(width - end.numel()).float()]))
+            summaries[i] = torch.cat([end.float().flatten(),
+                                      _transition(spec, original, named, f.row, f.start, f.length).flatten()
+                                      if f.continues else end.new_zeros(width - end.numel()).float()])
     if spec.kind == "conv":
         k1 = named["weight"].shape[-1] - 1
         x = named["hidden_states"]
-        summaries = [_conv_window(x[f.row:f.row + 1].narrow(-1, f.start, f.length), k1).flatten()
-                     for f in (frags[i] for i in plan.send[rank])]
+        summaries = {i: _conv_window(x[frags[i].row:frags[i].row + 1].narrow(-1, frags[i].start, frags[i].length),
+                                     k1).flatten() for i in plan.send[rank]}
     gathered = None
     if plan.slots:
         device = next(v for v in named.values() if isinstance(v, torch.Tensor)).device
         buffer = torch.zeros(plan.slots, width, dtype=torch.float32, device=device)
         if summaries:
-            buffer = torch.cat([torch.stack(summaries), buffer[len(summaries):]])
+            # slot k holds the summary of fragment plan.send[rank][k] (not fragment order: a rank's sent fragments
+            # are listed by document, and balanced placements put a later document's piece first)
+            sent = [summaries[i] for i in plan.send[rank]]
+            buffer = torch.cat([torch.stack(sent), buffer[len(sent):]])
         if torch.is_grad_enabled() and not buffer.requires_grad:
             # A rank that sends nothing differentiable must still join the gather's backward (a reduce-scatter).
             buffer.requires_grad_()
@@ -185,9 +200,9 @@ def run_cp(spec: ScanFunction, original: Callable, runs: LocalRuns, named: dict[
             outputs[i] = outputs[i] + _selective_contribution(named, f, _compose(spec, named, rows))
         else:
             state = _compose(spec, named, rows)
-            value = named["hidden_states" if spec.kind == "ssd" else "value"]
-            outputs[i], _ = call_fragment(spec, original, named, f.row, f.start, f.length,
-                                          state.to(torch.float32 if spec.kind == "ssd" else value.dtype))
+            # SSD and the diagonal recurrence keep their state in fp32; the delta rules take the values' dtype
+            dtype = torch.float32 if spec.kind in ("ssd", "diag") else named["value"].dtype
+            outputs[i], _ = call_fragment(spec, original, named, f.row, f.start, f.length, state.to(dtype))
     rows_out = []
     for row in range(runs.batch_size):
         pieces = [outputs[i] for i, f in enumerate(frags) if f.row == row]
@@ -214,7 +229,7 @@ def _compose(spec: ScanFunction, named: dict[str, Any], rows: list[torch.Tensor]
         transition = summary[n:].view(transition_shape)
         if spec.kind == "ssd":
             state = transition[..., None, None] * state + end
-        elif spec.kind == "selective":
+        elif spec.kind in ("selective", "diag"):
             state = transition * state + end
         else:
             state = transition @ state + end
@@ -238,38 +253,42 @@ def _continue_conv(spec: ScanFunction, original: Callable, named: dict[str, Any]
 
 def run_window(spec: WindowedModule, original: Callable, runs: LocalRuns, named: dict[str, Any],
                window: int) -> Any:
-    """A windowed module (:class:`~.functions.WindowedModule`) once per fragment: ``(out, ...)`` with time axis 1.
+    """A windowed module (:class:`~.functions.WindowedModule`) once per fragment: its outputs (time axis
+    ``spec.time_dim``), each cut to the ``T`` steps of its inputs.
 
     A fragment at its document's start runs alone (the module's own zero padding is the document start). Under CP
     a continuing fragment runs on the document's last ``min(window, earlier tokens)`` earlier inputs followed by its
     own, and drops the outputs of the former; those inputs are the summaries ``[window, C]`` of the earlier
     fragments (``W = window C`` floats, one all-gather per layer and direction as for the scans).
     """
-    x = named[spec.sequence]  # [B, T, C]
+    x = named[spec.sequence]  # [B, T, C] or, channels first, [B, C, T]
     mask = named.get(spec.mask) if spec.mask else None
     if mask is not None:  # the module zeroes padded inputs itself; the sent windows must be zeroed the same way
         x = x * mask[..., None].to(x.dtype)
         named = {**named, spec.sequence: x, spec.mask: None}
-    channels = x.shape[-1]
+    seq = x if spec.time_dim == 1 else x.transpose(1, 2)  # [B, T, C]
+    channels = seq.shape[-1]
 
     def call(inputs: torch.Tensor, drop: int) -> tuple:
-        out = original(**{**named, spec.sequence: inputs})
+        """The module on ``inputs [1, T', C]``: its outputs at steps ``[drop, T')``."""
+        steps = inputs.shape[1]
+        out = original(**{**named, spec.sequence: inputs if spec.time_dim == 1 else inputs.transpose(1, 2)})
         parts = out if isinstance(out, tuple) else (out,)
-        return tuple(p[:, drop:] for p in parts)
+        return tuple(p.narrow(time_axis(p, spec.time_dim), drop, steps - drop) for p in parts)
 
     cp = runs.cp_size > 1
     frags = runs.plan.fragments[runs.context.cp_rank] if cp else runs.fragments
     outputs: dict[int, tuple] = {}
     for i, f in enumerate(frags):
         if not (cp and f.continues):
-            outputs[i] = call(x[f.row:f.row + 1, f.start:f.start + f.length], 0)
+            outputs[i] = call(seq[f.row:f.row + 1, f.start:f.start + f.length], 0)
     if cp and runs.plan.slots:
         plan, ctx = runs.plan, runs.context
         rank = ctx.cp_rank
         sent = []
         for i in plan.send[rank]:
             f = frags[i]
-            tail = x[f.row, f.start + max(0, f.length - window):f.start + f.length].float()  # [<= window, C]
+            tail = seq[f.row, f.start + max(0, f.length - window):f.start + f.length].float()  # [<= window, C]
             sent.append(torch.nn.functional.pad(tail, (0, 0, window - tail.shape[0], 0)).flatten())
         buffer = torch.zeros(plan.slots, window * channels, dtype=torch.float32, device=x.device)
         if sent:
@@ -286,15 +305,120 @@ def run_window(spec: WindowedModule, original: Callable, runs: LocalRuns, named:
                      for (r, s), n in zip(srcs, lengths)]
             earlier = min(window, f.global_start - f.doc_start)
             history = torch.cat(parts)[-earlier:].to(x.dtype)[None]  # [1, earlier, C]
-            outputs[i] = call(torch.cat([history, x[f.row:f.row + 1, f.start:f.start + f.length]], 1), earlier)
+            outputs[i] = call(torch.cat([history, seq[f.row:f.row + 1, f.start:f.start + f.length]], 1), earlier)
         anchor = (gathered.sum() * 0)  # every rank runs the gather's backward, also one that uses none of it
     else:
         anchor = None
     rows = []
     for row in range(runs.batch_size):
         pieces = [outputs[i] for i, f in enumerate(frags) if f.row == row]
-        rows.append(tuple(torch.cat(ps, 1) for ps in zip(*pieces)))
+        rows.append(tuple(torch.cat(ps, time_axis(ps[0], spec.time_dim)) for ps in zip(*pieces)))
     out = tuple(torch.cat(ps, 0) for ps in zip(*rows))
     if anchor is not None:
         out = tuple(o + anchor.to(o.dtype) for o in out)
     return out if len(out) > 1 else out[0]
+
+
+class _HandedState:
+    """A stand-in cache that hands a :class:`~.functions.StatefulModule` the state entering its fragment (MiniMax's
+    cache protocol: ``get_linear_cache(layer_idx)`` / ``set_linear_cache(layer_idx, state)``); the state it leaves
+    is the forward's second output, so nothing is kept."""
+
+    def __init__(self, state: torch.Tensor) -> None:
+        self.state = state
+
+    def get_linear_cache(self, layer_idx: int) -> torch.Tensor:
+        return self.state
+
+    def set_linear_cache(self, layer_idx: int, state: torch.Tensor) -> None:
+        pass
+
+
+def _time_slice(value: Any, row: int, start: int, length: int) -> Any:
+    """Rows ``[start, start + length)`` of batch row ``row`` of a ``[B, T, ...]`` tensor or a tuple of them."""
+    if isinstance(value, torch.Tensor):
+        return value[row:row + 1, start:start + length]
+    if isinstance(value, (tuple, list)):
+        return type(value)(_time_slice(v, row, start, length) for v in value)
+    return value
+
+
+def stateful_decay(spec: StatefulModule, module: torch.nn.Module, length: int) -> torch.Tensor:
+    """``[H]`` fp32: how much a :class:`~.functions.StatefulModule`'s state decays over ``length`` tokens."""
+    heads = int(getattr(module, spec.heads_attr))
+    return torch.exp(-getattr(module, spec.rate_attr).float().reshape(heads) * length)
+
+
+def compose_stateful(rows: list[torch.Tensor], heads: int, dim: int) -> torch.Tensor:
+    """The state ``[1, H, D, D]`` entering a fragment from the summaries ``[H D D + H]`` (end state from zero, decay)
+    of the earlier fragments in document order, in fp32: ``S <- decay S + S_0``."""
+    state = None
+    for row in rows:
+        end = row[:heads * dim * dim].view(1, heads, dim, dim)
+        state = end if state is None else row[heads * dim * dim:].view(1, heads, 1, 1) * state + end
+    return state
+
+
+def run_stateful(spec: StatefulModule, module: torch.nn.Module, original: Callable, runs: LocalRuns,
+                 named: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """A stateful module (:class:`~.functions.StatefulModule`) once per fragment: ``(out [B, T, C], ends)``, ``ends``
+    ``[B, H, D, D]`` the end state of each row's last fragment (CP = 1; ``None`` under CP).
+
+    Every fragment runs from a zero state (no cache). Under CP a continuing fragment runs again with a stand-in cache
+    holding the state composed from the earlier fragments' summaries (the end state from zero and the decay
+    ``exp(-rate L)`` per head, ``W = H D D + H`` floats; one all-gather per layer and direction as for the scans).
+    """
+    heads, dim = int(getattr(module, spec.heads_attr)), int(getattr(module, spec.dim_attr))
+    rate = getattr(module, spec.rate_attr).float().reshape(heads)
+
+    def call(f: Any, state: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        sub = {**named, **{n: _time_slice(named.get(n), f.row, f.start, f.length)
+                           for n in (spec.sequence, *spec.time_args) if n in named}}
+        sub[spec.cache] = None if state is None else _HandedState(state)
+        out, end = original(**sub)[:2]
+        return out, end
+
+    cp = runs.cp_size > 1
+    frags = runs.plan.fragments[runs.context.cp_rank] if cp else runs.fragments
+    sending = set(runs.plan.send[runs.context.cp_rank]) if cp else set()
+    outputs: dict[int, torch.Tensor] = {}
+    summaries: dict[int, torch.Tensor] = {}
+    ends: dict[int, torch.Tensor] = {}
+    for i, f in enumerate(frags):
+        if cp and f.continues and i not in sending:
+            continue  # run once, from its incoming state, below
+        out, end = call(f)
+        ends[f.row] = end
+        if not (cp and f.continues):
+            outputs[i] = out
+        if i in sending:
+            decay = stateful_decay(spec, module, f.length) if f.continues else rate.new_zeros(heads)
+            summaries[i] = torch.cat([end.float().flatten(), decay])
+    anchor = None
+    if cp and runs.plan.slots:
+        plan, ctx = runs.plan, runs.context
+        rank = ctx.cp_rank
+        width = heads * dim * dim + heads
+        x = named[spec.sequence]
+        buffer = torch.zeros(plan.slots, width, dtype=torch.float32, device=x.device)
+        if summaries:  # slot k: fragment plan.send[rank][k]
+            sent = [summaries[i] for i in plan.send[rank]]
+            buffer = torch.cat([torch.stack(sent), buffer[len(sent):]])
+        if torch.is_grad_enabled() and not buffer.requires_grad:
+            buffer.requires_grad_()  # every rank joins the gather's backward (a reduce-scatter)
+        gather = _Gather(ctx.cp_size, rank, ctx.group, datetime.timedelta(seconds=ctx.config.collective_timeout_s),
+                         step_runtime(ctx).comm)
+        gathered = _AllGather.apply(buffer, gather)  # [P * slots, W]
+        for i, srcs in plan.sources[rank].items():
+            state = compose_stateful([gathered[r * plan.slots + s] for r, s in srcs], heads, dim)
+            outputs[i], _ = call(frags[i], state)
+        anchor = gathered.sum() * 0  # every rank runs the gather's backward, also one that uses none of it
+    rows = []
+    for row in range(runs.batch_size):
+        pieces = [outputs[i] for i, f in enumerate(frags) if f.row == row]
+        rows.append(torch.cat(pieces, 1) if len(pieces) > 1 else pieces[0])
+    out = torch.cat(rows, 0) if len(rows) > 1 else rows[0]
+    if anchor is not None:
+        out = out + anchor.to(out.dtype)
+        return out, None
+    return out, torch.cat([ends[row] for row in range(runs.batch_size)], 0)

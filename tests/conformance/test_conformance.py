@@ -45,7 +45,7 @@ FAST = {
     "mamba": (EXACT, ""),
     "qwen3_next": (EXACT, ""),
     "lfm2": (EXACT, ""),
-    "minimax": (REFUSED, "carry state across the whole row"),
+    "xlstm": (REFUSED, "carry state across the whole row"),
     # 6. positions counted from the row start
     "bart": (REFUSED, "forward takes no position_ids"),
     "marian": (REFUSED, "forward takes no position_ids"),

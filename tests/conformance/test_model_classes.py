@@ -168,16 +168,15 @@ MIXES = "carry state across the whole row"
 ROW_POSITIONS = "forward takes no position_ids"
 
 
-@pytest.mark.parametrize("model_type,cause", [("xlstm", MIXES), ("minimax", MIXES), ("recurrent_gemma", MIXES),
-                                              ("bart", ROW_POSITIONS), ("marian", ROW_POSITIONS)])
+@pytest.mark.parametrize("model_type,cause", [("xlstm", MIXES), ("bart", ROW_POSITIONS), ("marian", ROW_POSITIONS)])
 def test_models_that_mix_documents_outside_attention_are_refused(model_type, cause):
     message = _refusal(model_type)
     assert model_type in message and cause in message
 
 
 @pytest.mark.parametrize("model_type,missing", [
-    ("minimax", "minimax's lightning attention (MiniMaxLightningAttention at model.layers.1.self_attn) has no "
-                "per-document reset or state passing in blockdiag_cp yet"),
+    ("xlstm", "xlstm's mLSTM cell (xLSTMBlock at backbone.blocks.0) has no per-document reset or state passing in "
+              "blockdiag_cp yet"),
     ("inkling2_text", "inkling2_text's dynamic short convolution with per-token taps, outside transformers' "
                       "replaceable causal_conv1d functions (Inkling2DynamicShortConvolution at "
                       "model.layers.1.self_attn.k_proj.sconv) has no per-document reset"),
