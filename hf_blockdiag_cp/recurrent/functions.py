@@ -19,7 +19,8 @@ Modules that mix tokens with a plain ``nn.Conv1d`` and no replaceable function a
 class name and served whole, once per fragment (or, for a plain ``nn.Conv1d`` child of such a module, the child).
 Mixers whose scan is an instance method of the module rather than a replaceable function are listed in
 :data:`METHODS` by the module's class name; the method is served like a scan (an instance attribute shadows it).
-Mixers whose linear recurrence runs inside their own ``forward`` are listed in :data:`STATEFUL` and served whole.
+Mixers whose linear recurrence runs inside their own ``forward`` are listed in :data:`STATEFUL` and served whole;
+modules that are one scan taking their initial state as arguments (xLSTM's mLSTM backend), in :data:`SCAN_MODULES`.
 
 A transformers upgrade that renames one of them fails ``tests/recurrent/test_functions.py`` (the names and
 parameters below are checked against the installed model files), not a user.
@@ -31,8 +32,8 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["COMPOSITES", "FUSED", "METHODS", "POSITION_RESETS", "SCANS", "STATEFUL", "WINDOWED", "ScanFunction",
-           "StatefulModule", "WindowedModule", "conv_window", "mixer_functions"]
+__all__ = ["COMPOSITES", "FUSED", "METHODS", "POSITION_RESETS", "SCANS", "SCAN_MODULES", "STATEFUL", "WINDOWED",
+           "ScanFunction", "ScanModule", "StatefulModule", "WindowedModule", "conv_window", "mixer_functions"]
 
 
 @dataclass(frozen=True)
@@ -164,6 +165,41 @@ def conv_window(conv: torch.nn.Module) -> int | None:
     if conv.stride != (1,) or conv.padding != (window,) or conv.padding_mode != "zeros" or window < 1:
         return None
     return window
+
+
+@dataclass(frozen=True)
+class ScanModule:
+    """A module that is one recurrent scan taking its initial state as arguments (xLSTM's mLSTM backend): served
+    once per fragment by an instance ``forward``, a continuing fragment from its composed incoming state
+    (:mod:`.scan_modules`).
+
+    Attributes:
+        name: the module's class name (transformers 5.25).
+        params: its ``forward``'s parameters in order (to bind positional arguments).
+        time_args: parameters with a time axis, and that axis; the output ``h`` has its time axis at ``out_dim``.
+        out_dim: the output's time axis.
+        state_in: the initial-state parameters, in the order the module returns its last states.
+        state_flag: the parameter asking for the last states (the module returns ``(h, states)`` then).
+        kind: ``"mlstm"``.
+    """
+
+    name: str
+    params: tuple[str, ...]
+    time_args: dict[str, int]
+    out_dim: int
+    state_in: tuple[str, ...]
+    state_flag: str
+    kind: str
+
+
+#: Scan modules served per fragment, by class name: xLSTM's mLSTM backend (state ``C [B, H, Dqk, Dv]``, normalizer
+#: ``n [B, H, Dqk]`` and stabilizer ``m [B, H, 1]``).
+SCAN_MODULES: dict[str, ScanModule] = {m.name: m for m in (
+    ScanModule("xLSTMBackend", ("query", "key", "value", "igate", "fgate", "c_initial", "n_initial", "m_initial",
+                                "return_last_states", "mode"),
+               {"query": 2, "key": 2, "value": 2, "igate": 2, "fgate": 2}, 2,
+               ("c_initial", "n_initial", "m_initial"), "return_last_states", "mlstm"),
+)}
 
 
 def mixer_functions(module: object) -> dict[str, object] | None:

@@ -35,6 +35,7 @@ from .functions import (
     COMPOSITES,
     FUSED,
     METHODS,
+    SCAN_MODULES,
     SCANS,
     STATEFUL,
     WINDOWED,
@@ -44,6 +45,7 @@ from .functions import (
 )
 from .head_parallel import run_heads
 from .runs import LocalRuns
+from .scan_modules import run_scan_module
 from .state_passing import run_cp, run_stateful, run_window
 
 __all__ = ["INSTALLED_ATTR", "install_recurrent", "is_served", "served_modules", "uninstall_recurrent",
@@ -70,6 +72,8 @@ def is_served(module: torch.nn.Module) -> bool:
         return WINDOWED[cls_name].child is None
     if cls_name in METHODS:
         return callable(getattr(module, METHODS[cls_name].name, None))
+    if cls_name in SCAN_MODULES:
+        return True
     if cls_name in STATEFUL:  # the attributes its summary reads (a rename refuses the model instead of failing later)
         spec = STATEFUL[cls_name]
         return all(hasattr(module, a) for a in (spec.layer_attr, spec.heads_attr, spec.dim_attr, spec.rate_attr))
@@ -129,6 +133,9 @@ def install_recurrent(model: torch.nn.Module, probe: Any) -> int:
             continue
         if cls_name in STATEFUL:
             _install(module, "forward", _stateful_forward, probe, cls_name)
+            continue
+        if cls_name in SCAN_MODULES:
+            _install(module, "forward", _scan_module_forward, probe, cls_name)
             continue
         for name, wrapper in mixer_functions(module).items():
             if name not in SCANS and name not in FUSED:
@@ -222,6 +229,29 @@ def _stateful_forward(self: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
     if cache is not None:  # a prefill: each row's state is its last fragment's, as the stock forward leaves it
         getattr(cache, spec.cache_set)(layer, ends)
     return out, ends
+
+
+def _scan_module_forward(self: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
+    """A :data:`~.functions.SCAN_MODULES` module: the original, or once per fragment with packed rows."""
+    original, runs, probe = _served_call(self)
+    if runs is None:
+        return original(*args, **kwargs)
+    probe.attention_calls += 1
+    spec = SCAN_MODULES[self.__dict__[_NAME_KEY]]
+    named = bind(spec, args, kwargs)
+    lead = named[next(iter(spec.time_args))]
+    length = lead.shape[spec.time_args[next(iter(spec.time_args))]]
+    if lead.shape[0] != runs.batch_size or length != runs.local_len:
+        raise ValueError(f"{spec.name} got rows [B={lead.shape[0]}, T={length}] but this forward's packed batch has "
+                         f"[B={runs.batch_size}, L={runs.local_len}]")
+    # xLSTM's backend returns its last states in inference mode always, in training modes when asked (its config's
+    # default when the call does not say).
+    mode = named.get("mode") or self.config.mode
+    want = named.get(spec.state_flag)
+    returns_states = "inference" in mode or bool(self.config.return_last_states if want is None else want)
+    if runs.cp_size > 1:
+        agree_recurrent(runs.context, lead.device)
+    return run_scan_module(spec, original, runs, named, returns_states)
 
 
 def _window_forward(self: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:

@@ -45,7 +45,7 @@ FAST = {
     "mamba": (EXACT, ""),
     "qwen3_next": (EXACT, ""),
     "lfm2": (EXACT, ""),
-    "xlstm": (REFUSED, "carry state across the whole row"),
+    "inkling2_text": (REFUSED, "carry state across the whole row"),
     # 6. positions counted from the row start
     "bart": (REFUSED, "forward takes no position_ids"),
     "marian": (REFUSED, "forward takes no position_ids"),
@@ -209,7 +209,7 @@ def test_cli_prints_one_line_and_json(capsys):
     assert conformance.main(["llama", "--no-generate"]) == 0
     assert capsys.readouterr().out.startswith("llama: exact")
     # A refused model exits 3 (documented in --help), not 0.
-    assert conformance.main(["xlstm", "--no-generate", "--json"]) == 3
+    assert conformance.main(["inkling2_text", "--no-generate", "--json"]) == 3
     data = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert data["status"] == REFUSED and "carry state" in data["reason"]
 

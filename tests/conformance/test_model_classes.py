@@ -168,15 +168,14 @@ MIXES = "carry state across the whole row"
 ROW_POSITIONS = "forward takes no position_ids"
 
 
-@pytest.mark.parametrize("model_type,cause", [("xlstm", MIXES), ("bart", ROW_POSITIONS), ("marian", ROW_POSITIONS)])
+@pytest.mark.parametrize("model_type,cause", [("inkling2_text", MIXES), ("bart", ROW_POSITIONS),
+                                              ("marian", ROW_POSITIONS)])
 def test_models_that_mix_documents_outside_attention_are_refused(model_type, cause):
     message = _refusal(model_type)
     assert model_type in message and cause in message
 
 
 @pytest.mark.parametrize("model_type,missing", [
-    ("xlstm", "xlstm's mLSTM cell (xLSTMBlock at backbone.blocks.0) has no per-document reset or state passing in "
-              "blockdiag_cp yet"),
     ("inkling2_text", "inkling2_text's dynamic short convolution with per-token taps, outside transformers' "
                       "replaceable causal_conv1d functions (Inkling2DynamicShortConvolution at "
                       "model.layers.1.self_attn.k_proj.sconv) has no per-document reset"),
@@ -193,7 +192,7 @@ def test_refused_mixers_still_run_one_document_per_row():
 
 
 def test_mixers_refuse_context_parallel_shards_even_with_one_document():
-    _, ours, docs = _pair("xlstm")
+    _, ours, docs = _pair("inkling2_text")
     ids = docs[2][None]
     ctx = BlockDiagCPContext.build(torch.ones(ids.shape[1] - 1, dtype=torch.long), cp_rank=0, cp_size=1)
     object.__setattr__(ctx, "cp_size", 2)  # what a CP rank's context looks like to the model-level guard
