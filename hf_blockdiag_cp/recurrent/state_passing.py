@@ -43,6 +43,7 @@ from ..runtime import step_runtime
 from .fragment_call import call_fragment, time_axis
 from .functions import ScanFunction, StatefulModule, WindowedModule
 from .runs import LocalRuns
+from .summaries import run_with_summaries
 
 __all__ = ["compose_stateful", "run_cp", "run_stateful", "run_window", "stateful_decay", "summary_width"]
 
@@ -378,47 +379,12 @@ def run_stateful(spec: StatefulModule, module: torch.nn.Module, original: Callab
         out, end = original(**sub)[:2]
         return out, end
 
-    cp = runs.cp_size > 1
-    frags = runs.plan.fragments[runs.context.cp_rank] if cp else runs.fragments
-    sending = set(runs.plan.send[runs.context.cp_rank]) if cp else set()
-    outputs: dict[int, torch.Tensor] = {}
-    summaries: dict[int, torch.Tensor] = {}
-    ends: dict[int, torch.Tensor] = {}
-    for i, f in enumerate(frags):
-        if cp and f.continues and i not in sending:
-            continue  # run once, from its incoming state, below
-        out, end = call(f)
-        ends[f.row] = end
-        if not (cp and f.continues):
-            outputs[i] = out
-        if i in sending:
-            decay = stateful_decay(spec, module, f.length) if f.continues else rate.new_zeros(heads)
-            summaries[i] = torch.cat([end.float().flatten(), decay])
-    anchor = None
-    if cp and runs.plan.slots:
-        plan, ctx = runs.plan, runs.context
-        rank = ctx.cp_rank
-        width = heads * dim * dim + heads
-        x = named[spec.sequence]
-        buffer = torch.zeros(plan.slots, width, dtype=torch.float32, device=x.device)
-        if summaries:  # slot k: fragment plan.send[rank][k]
-            sent = [summaries[i] for i in plan.send[rank]]
-            buffer = torch.cat([torch.stack(sent), buffer[len(sent):]])
-        if torch.is_grad_enabled() and not buffer.requires_grad:
-            buffer.requires_grad_()  # every rank joins the gather's backward (a reduce-scatter)
-        gather = _Gather(ctx.cp_size, rank, ctx.group, datetime.timedelta(seconds=ctx.config.collective_timeout_s),
-                         step_runtime(ctx).comm)
-        gathered = _AllGather.apply(buffer, gather)  # [P * slots, W]
-        for i, srcs in plan.sources[rank].items():
-            state = compose_stateful([gathered[r * plan.slots + s] for r, s in srcs], heads, dim)
-            outputs[i], _ = call(frags[i], state)
-        anchor = gathered.sum() * 0  # every rank runs the gather's backward, also one that uses none of it
-    rows = []
-    for row in range(runs.batch_size):
-        pieces = [outputs[i] for i, f in enumerate(frags) if f.row == row]
-        rows.append(torch.cat(pieces, 1) if len(pieces) > 1 else pieces[0])
-    out = torch.cat(rows, 0) if len(rows) > 1 else rows[0]
-    if anchor is not None:
-        out = out + anchor.to(out.dtype)
+    def summarize(f: Any, end: torch.Tensor, continues: bool) -> torch.Tensor:
+        decay = stateful_decay(spec, module, f.length) if continues else rate.new_zeros(heads)
+        return torch.cat([end.float().flatten(), decay])
+
+    out, ends = run_with_summaries(runs, heads * dim * dim + heads, named[spec.sequence].device, 1, call, summarize,
+                                   lambda rows: compose_stateful(rows, heads, dim))
+    if runs.cp_size > 1:
         return out, None
     return out, torch.cat([ends[row] for row in range(runs.batch_size)], 0)
