@@ -16,7 +16,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -25,7 +24,7 @@ from .config import BlockDiagCPConfig
 from .distributed.groups import GroupRef, group_to_ref, ref_to_group
 from .planning import PlanError, VarlenPlan, as_doc_ids, build_varlen_plan
 from .planning.exchange import ExchangePlan, plan_exchange
-from .planning.fingerprint import fingerprint, plan_fingerprint, shard_checksums
+from .planning.fingerprint import data_fingerprint, plan_fingerprint, shard_checksum
 from .planning.layout import HeadShape, LayoutPlan, plan_layout
 from .planning.placement import Placement, make_placement
 
@@ -63,10 +62,11 @@ class BlockDiagCPContext:
             after the head all-to-all, and the ``c``-rank exchange between groups (run as rank ``cp_rank // u``).
         head_group / seq_group: the process groups of the ``u`` consecutive CP ranks of this rank and of
             the ``c`` ranks of equal ``cp_rank % u`` (``None`` unless ``u > 1``).
-        shard_checksums: per CP rank, ``(input_ids, position_ids)`` checksums
-            (:func:`~hf_blockdiag_cp.planning.fingerprint.shard_checksum`) of the rows that rank's forward
-            must receive, ``-1`` where the collator did not give that tensor (``()`` on one rank); every
-            forward's agreement compares them with what the forward actually got.
+        shard_checksum: this rank's ``(input_ids, position_ids)`` checksums
+            (:func:`~hf_blockdiag_cp.planning.fingerprint.shard_checksum`) of the rows its forward must
+            receive, ``-1`` where the collator did not give that tensor (``()`` on one rank); every forward's
+            agreement compares them with what the forward actually got. Only this rank's: computing every
+            rank's would be a pass over the whole row, and no rank checks another's tensors.
 
     One attribute is not a field (not compared, not pickled, not carried by ``dataclasses.replace``):
     ``origin``, the context a device copy was made from by :meth:`to` (``None`` on the context the
@@ -92,7 +92,7 @@ class BlockDiagCPContext:
     layout: LayoutPlan | None = None
     head_group: Any = None
     seq_group: Any = None
-    shard_checksums: tuple[tuple[int, int], ...] = ()
+    shard_checksum: tuple[int, ...] = ()
     if TYPE_CHECKING:  # set by __post_init__ / to(), not a dataclass field
         origin: BlockDiagCPContext | None
 
@@ -150,12 +150,9 @@ class BlockDiagCPContext:
         for w in windows:
             check_int("sliding_windows", w, minimum=1)
         doc_ids32 = ids.to(torch.int32).contiguous()
-        # Hashed in place (numpy views, no byte copies): the same bytes as before, one pass each.
-        parts = [repr(tuple(ids.shape)).encode(), doc_ids32.numpy()]
-        if input_ids is not None:
-            parts.append(torch.as_tensor(input_ids).detach().to("cpu", torch.int64).contiguous().numpy())
+        tokens = _full_rows(input_ids, ids.shape)
         common = dict(doc_ids=doc_ids32, cp_rank=cp_rank, cp_size=cp_size, group=group,
-                      local_len=local_len, data_fingerprint=fingerprint(*parts), config=config,
+                      local_len=local_len, data_fingerprint=data_fingerprint(doc_ids32, tokens), config=config,
                       position_ids=positions)
         if cp_size == 1:
             plan = build_varlen_plan(ids, local_len=local_len, validate=config.validate)
@@ -165,7 +162,7 @@ class BlockDiagCPContext:
             layout = _plan_layout(ids, cp_size, config, placement, sliding_windows, heads)
             if layout.ulysses_size > 1:
                 return _layout_context(cls, layout, ids, cp_rank, ulysses_groups, windows, common,
-                                       placement or config.placement, input_ids)
+                                       placement or config.placement, tokens)
             placement = layout.placement  # auto chose u = 1: today's layout on the same placement
         if not isinstance(placement, Placement):
             placement = make_placement(ids[0], cp_size, placement or config.placement,
@@ -190,7 +187,7 @@ class BlockDiagCPContext:
                                    strategies=[str(ex.strategy) for _, ex in planned])
         return cls(row_offset=int(local_index[0]), local_index=local_index, plan=plan, exchange=exchange,
                    placement=placement, window_plans=window_plans, plan_fingerprint=plan_fp, layout=layout,
-                   shard_checksums=_shard_checksums(placement, ids.shape, input_ids, positions), **common)
+                   shard_checksum=_own_checksums(local_index, tokens, positions), **common)
 
     @property
     def ulysses_size(self) -> int:
@@ -256,29 +253,22 @@ class BlockDiagCPContext:
                             f"collator?")
 
 
-def _shard_checksums(placement: Placement, shape: torch.Size, input_ids: Any,
-                     positions: torch.Tensor | None) -> tuple[tuple[int, int], ...]:
-    """Per rank, the checksums of the ``input_ids`` / ``position_ids`` shard its forward must receive
-    (``-1``: not known); the forward agreement compares them with the tensors the forward got."""
-    ids = None
-    if input_ids is not None:
-        ids = torch.as_tensor(input_ids).detach().to("cpu", torch.int64)
-        ids = ids.expand(shape[0], -1) if ids.dim() == 1 else ids
-        if ids.shape != shape:
-            ids = None  # a shape the rows do not have: nothing to compare against
-    # One gather of the whole row into [B, P, L] and one weighted sum: no per-rank pass over the row.
-    runs = placement.runs
-    # Contiguous shards (one run per rank, in rank order) are a view of the row; other placements gather.
-    contiguous = runs.start.size == placement.cp_size and bool((runs.rank == np.arange(placement.cp_size)).all())
+def _full_rows(input_ids: Any, shape: torch.Size) -> torch.Tensor | None:
+    """``input_ids`` as CPU int64 ``[B, S]`` rows of ``shape`` (a 1-D row is shared by every batch row), or
+    ``None`` when not given or of another shape (nothing to hash or compare against)."""
+    if input_ids is None:
+        return None
+    tokens = torch.as_tensor(input_ids).detach().to("cpu", torch.int64)
+    tokens = tokens.expand(shape[0], -1) if tokens.dim() == 1 else tokens
+    return tokens if tokens.shape == shape else None
 
-    def shards(full: torch.Tensor) -> torch.Tensor:
-        if contiguous:
-            return full.view(full.shape[0], placement.cp_size, -1)
-        # index_select on the flat table: a plain gather, several times faster than advanced indexing.
-        return full.index_select(1, placement.index.reshape(-1)).view(full.shape[0], placement.cp_size, -1)
 
-    sums = [[-1] * placement.cp_size if full is None else shard_checksums(shards(full)) for full in (ids, positions)]
-    return tuple(zip(*sums))
+def _own_checksums(local_index: torch.Tensor, tokens: torch.Tensor | None,
+                   positions: torch.Tensor | None) -> tuple[int, int]:
+    """The checksums of the ``input_ids`` / ``position_ids`` shard this rank's forward must receive (``-1``: not
+    known): a gather of its ``L`` positions, no pass over the row."""
+    return tuple(-1 if full is None else int(shard_checksum(full.index_select(1, local_index)))
+                 for full in (tokens, positions))
 
 
 def _check_group_size(group: Any, cp_size: int) -> None:
@@ -312,7 +302,7 @@ def _plan_layout(ids: torch.Tensor, cp_size: int, config: BlockDiagCPConfig, pla
 
 def _layout_context(cls: type[BlockDiagCPContext], layout: LayoutPlan, ids: torch.Tensor, cp_rank: int,
                     ulysses_groups: Any, windows: list[int], common: dict[str, Any],
-                    placement_kind: str, input_ids: Any) -> BlockDiagCPContext:
+                    placement_kind: str, tokens: torch.Tensor | None) -> BlockDiagCPContext:
     """Rank ``cp_rank``'s context under a ``u > 1`` layout: its sequence group's plans (``u * L`` query rows)."""
     u, c = layout.ulysses_size, layout.seq_groups
     if ulysses_groups is None:
@@ -346,5 +336,5 @@ def _layout_context(cls: type[BlockDiagCPContext], layout: LayoutPlan, ids: torc
     return cls(row_offset=int(local_index[0]), local_index=local_index, plan=plan, exchange=exchange,
                placement=layout.placement, window_plans=window_plans, plan_fingerprint=plan_fp, layout=layout,
                head_group=head_group, seq_group=seq_group,
-               shard_checksums=_shard_checksums(layout.placement, ids.shape, input_ids, common["position_ids"]),
+               shard_checksum=_own_checksums(local_index, tokens, common["position_ids"]),
                **common)

@@ -108,8 +108,8 @@ def test_context_plans_equal_those_built_on_the_reference_exchange(case, kind, w
     positions = torch.arange(row.numel())[None]
     ctx = BlockDiagCPContext.build(row, cp_rank=rank, cp_size=cp_size, placement=kind, sliding_windows=windows,
                                    input_ids=ids, position_ids=positions)
-    for r, index in enumerate(ctx.placement.index):
-        assert ctx.shard_checksums[r] == (int(shard_checksum(ids[:, index])), int(shard_checksum(positions[:, index])))
+    index = ctx.placement.index[rank]
+    assert ctx.shard_checksum == (int(shard_checksum(ids[:, index])), int(shard_checksum(positions[:, index])))
     for window in (None, *[w for w in windows if w is not None]):
         plan, exchange = ctx.plans_for(window)
         _, counts, _ = reference_exchange(row, ctx.placement, window)
