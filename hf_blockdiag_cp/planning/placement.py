@@ -444,17 +444,30 @@ def _improve(placed: list[list[_Item]], load: list[float], room: list[int], *, s
     Every candidate of a step (item ``i`` of the most loaded rank, rank ``r``, a move or a swap with item ``j``)
     is scored in one vectorised pass; the first best in ``(i, r, move, j)`` order wins, as in a loop over them."""
     cp_size = len(load)
-    works = np.full((cp_size, width), np.inf)
-    tokens = np.zeros((cp_size, width), dtype=np.int64)
+    # The table has as many slots as the fullest rank has items (up to ``width``): slots past a rank's items hold
+    # infinite work (never a candidate), so narrower tables score the same candidates; ``refresh`` widens it.
+    slots = min(width, max(len(items) for items in placed))
+    works = np.full((cp_size, slots), np.inf)
+    tokens = np.zeros((cp_size, slots), dtype=np.int64)
+    # Filled in one assignment: (rank, slot, work, tokens) of every item in it.
+    cells = [(rank, slot, it.work, it.tokens) for rank, items in enumerate(placed)
+             for slot, it in enumerate(items[:slots])]
+    if cells:
+        rank_of, slot_of, work_of, tokens_of = zip(*cells)
+        works[rank_of, slot_of] = work_of
+        tokens[rank_of, slot_of] = tokens_of
 
     def refresh(rank: int) -> None:
+        nonlocal works, tokens
         top = placed[rank][:width]
+        if len(top) > works.shape[1]:
+            grow = len(top) - works.shape[1]
+            works = np.pad(works, ((0, 0), (0, grow)), constant_values=np.inf)
+            tokens = np.pad(tokens, ((0, 0), (0, grow)))
         works[rank] = np.inf
         works[rank, :len(top)] = [it.work for it in top]
         tokens[rank, :len(top)] = [it.tokens for it in top]
 
-    for rank in range(cp_size):
-        refresh(rank)
     for _ in range(steps):
         worst = max(range(cp_size), key=lambda r: load[r])
         count = min(len(placed[worst]), width)

@@ -25,6 +25,7 @@ import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from ..errors import PlanError
@@ -239,7 +240,12 @@ def build_varlen_plan(doc_ids: torch.Tensor | Sequence[int], *, local_len: int |
     if kv_positions is not None:
         if num_rows != 1 or kv_ranges is not None:
             raise PlanError("kv_positions describes the buffer of one row (B=1) and replaces kv_ranges")
-        ordered, kv_order = torch.sort(kv_positions.to(torch.int64))
+        positions = kv_positions.detach().to("cpu", torch.int64).numpy()
+        # A stable sort (numpy's merges presorted runs): an exchange's buffer is a few sorted runs (one per
+        # source, then the own rows), several times faster than a general sort; positions are distinct, so any
+        # sort gives this order.
+        order = np.argsort(positions, kind="stable")
+        ordered, kv_order = torch.from_numpy(positions[order]), torch.from_numpy(order)
         if ordered.numel() and (bool((ordered[1:] == ordered[:-1]).any()) or int(ordered[0]) < 0
                                 or int(ordered[-1]) >= full_len):
             raise PlanError(f"kv_positions must be distinct positions in [0, {full_len})")
