@@ -47,7 +47,8 @@ class FullRows:
         position_ids: int64 position of every token in its document (continuing for split pieces),
             0 at padding.
         doc_ids: int64 document ids 1, 2, ... per document in row order, 0 at padding.
-        shift_labels: int64 next-token targets computed on the full row.
+        shift_labels: int64 next-token targets computed on the full row (:func:`assemble_rows` gives a view of
+            the storage of ``labels`` one column on: read-only, like every field).
         label_pad_id: the ignore value used in ``labels`` / ``shift_labels``.
     """
 
@@ -84,7 +85,8 @@ def assemble_rows(rows: Sequence[Sequence[Document]], length: int, *, pad_token_
         empty = torch.zeros((0, length), dtype=torch.int64)
         return FullRows(empty, empty, empty, empty, empty, label_pad_id)
     # Each row is written once, by concatenation (documents, then the padding tail): a handful of passes over
-    # the row, not a fill followed by copies.
+    # the row, not a fill followed by copies. The labels get one column more (ignored): ``shift_labels`` is then
+    # the same storage one column on, no pass of its own.
     columns: dict[str, list[torch.Tensor]] = {"input_ids": [], "labels": [], "position_ids": [], "doc_ids": []}
     for b, docs in enumerate(rows):
         lens = torch.tensor([len(d) for d in docs], dtype=torch.int64)
@@ -93,24 +95,26 @@ def assemble_rows(rows: Sequence[Sequence[Document]], length: int, *, pad_token_
             raise ValueError(f"row {b} holds {total} tokens, more than the row length {length}")
         tail = length - total
         starts = torch.cumsum(lens, 0) - lens
-        row_labels = torch.cat([*(d.labels for d in docs), torch.full((tail,), -100, dtype=torch.int64)])
+        row_labels = torch.cat([*(d.labels for d in docs), torch.full((tail + 1,), -100, dtype=torch.int64)])
         # No token of the row predicts a document's first token (its predecessor is another document).
         row_labels[starts[lens > 0]] = -100
         if label_pad_id != -100:
             row_labels.masked_fill_(row_labels == -100, label_pad_id)
-        # Position of token t = t - (row start of its document) + (position of the document's first token).
+        # Position of token t = t - (row start of its document) + (position of the document's first token), 0 at
+        # padding: one repeat over the whole row (numpy's: several times faster than torch.repeat_interleave on
+        # long rows), then the arange added in place over the documents.
         offsets = torch.tensor([d.position_start for d in docs], dtype=torch.int64) - starts
-        # numpy's repeat: several times faster than torch.repeat_interleave on long rows.
-        lens_np = lens.numpy()
-        positions = torch.from_numpy(np.repeat(offsets.numpy(), lens_np))
-        positions = torch.cat([positions.add_(torch.arange(total, dtype=torch.int64)),
-                               torch.zeros(tail, dtype=torch.int64)])
+        lens_np = np.append(lens.numpy(), tail)
+        positions = np.repeat(np.append(offsets.numpy(), 0), lens_np)
+        positions[:total] += np.arange(total, dtype=np.int64)
         columns["input_ids"].append(torch.cat([*(d.input_ids for d in docs),
                                                torch.full((tail,), pad_token_id, dtype=torch.int64)]))
         columns["labels"].append(row_labels)
-        columns["position_ids"].append(positions)
+        columns["position_ids"].append(torch.from_numpy(positions))
         ids = np.append(np.arange(1, len(docs) + 1, dtype=np.int64), 0)  # documents 1..n, then padding
-        columns["doc_ids"].append(torch.from_numpy(np.repeat(ids, np.append(lens_np, tail))))
-    input_ids, labels, position_ids, doc_ids = (torch.stack(columns[k]) if batch > 1 else columns[k][0][None]
-                                                for k in ("input_ids", "labels", "position_ids", "doc_ids"))
-    return FullRows(input_ids, labels, position_ids, doc_ids, shift_row_labels(labels, label_pad_id), label_pad_id)
+        columns["doc_ids"].append(torch.from_numpy(np.repeat(ids, lens_np)))
+    input_ids, label_columns, position_ids, doc_ids = (
+        torch.stack(columns[k]) if batch > 1 else columns[k][0][None]
+        for k in ("input_ids", "labels", "position_ids", "doc_ids"))
+    # shift_labels[:, t] = labels[:, t + 1]; the extra last column is the ignore value after the row's end.
+    return FullRows(input_ids, label_columns[:, :length], position_ids, doc_ids, label_columns[:, 1:], label_pad_id)
