@@ -23,6 +23,7 @@ from ._validate import check_int
 from .config import BlockDiagCPConfig
 from .distributed.groups import GroupRef, group_to_ref, ref_to_group
 from .planning import PlanError, VarlenPlan, as_doc_ids, build_varlen_plan
+from .planning.documents import arange
 from .planning.exchange import ExchangePlan, plan_exchange
 from .planning.fingerprint import data_fingerprint, plan_fingerprint, shard_checksum
 from .planning.layout import HeadShape, LayoutPlan, plan_layout
@@ -156,7 +157,7 @@ class BlockDiagCPContext:
                       position_ids=positions)
         if cp_size == 1:
             plan = build_varlen_plan(ids, local_len=local_len, validate=config.validate)
-            return cls(row_offset=0, local_index=torch.arange(local_len), plan=plan, **common)
+            return cls(row_offset=0, local_index=arange(local_len), plan=plan, **common)
         layout = None
         if config.ulysses_size != 1:
             layout = _plan_layout(ids, cp_size, config, placement, sliding_windows, heads)

@@ -32,7 +32,7 @@ import numpy as np
 import torch
 
 from ..config import BlockDiagCPConfig
-from .documents import as_doc_ids, run_starts
+from .documents import arange, as_doc_ids, run_starts
 from .placement import Placement, contiguous_placement
 from .varlen import PlanError
 
@@ -77,7 +77,7 @@ def needed_positions(doc_ids_row: torch.Tensor, positions: torch.Tensor, window:
     starts = torch.full((count,), row.numel(), dtype=torch.int64).scatter_reduce(0, group, low, "amin")
     ends = torch.zeros(count, dtype=torch.int64).scatter_reduce(0, group, query + 1, "amax")
     lengths = ends - starts
-    return torch.repeat_interleave(starts - (torch.cumsum(lengths, 0) - lengths), lengths) + torch.arange(
+    return torch.repeat_interleave(starts - (torch.cumsum(lengths, 0) - lengths), lengths) + arange(
         int(lengths.sum()))
 
 

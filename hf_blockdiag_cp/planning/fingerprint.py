@@ -12,6 +12,7 @@ import numpy as np
 import torch
 
 from ..config import KV_EXCHANGES, PLACEMENTS, BlockDiagCPConfig, backend_choices
+from .documents import arange
 
 __all__ = ["PLAN_FIELDS", "PlanFingerprint", "checksum_weights", "data_fingerprint", "describe_plan_field",
            "fingerprint", "plan_fingerprint", "shard_checksum"]
@@ -131,7 +132,7 @@ def checksum_weights(length: int, device: torch.device | str | None = None) -> t
     A pure function of the position (every rank computes the same ones), distinct for every position below
     ``2**32`` (two tokens swapped anywhere in a shard change the sum), in ``[1, 2**32]``.
     """
-    index = torch.arange(length, device=device, dtype=torch.int64)
+    index = arange(length, device=device)
     # The product may pass 2**63 for i >= 2**32 / 0.62; its low 32 bits are exact whatever the wrap.
     return index.mul_(_WEIGHT_MULTIPLIER).bitwise_and_(_WEIGHT_MASK).add_(1)
 

@@ -32,7 +32,7 @@ import numpy as np
 import torch
 
 from ..config import PLACEMENTS
-from .documents import document_spans, run_starts
+from .documents import arange, document_spans, run_starts
 from .varlen import PlanError, QueryPiece
 
 __all__ = [
@@ -94,7 +94,7 @@ class Placement:
     @property
     def is_contiguous(self) -> bool:
         """Whether rank ``r`` holds exactly ``[r*L, (r+1)*L)``."""
-        return bool(torch.equal(self.index.flatten(), torch.arange(self.full_len)))
+        return bool(torch.equal(self.index.flatten(), arange(self.full_len)))
 
     @cached_property
     def runs(self) -> PlacementRuns:
@@ -145,7 +145,7 @@ class Placement:
 
 def contiguous_placement(full_len: int, cp_size: int) -> Placement:
     """Rank ``r`` holds ``[r*L, (r+1)*L)``."""
-    return Placement("contiguous", torch.arange(full_len, dtype=torch.int64).view(cp_size, full_len // cp_size))
+    return Placement("contiguous", arange(full_len).view(cp_size, full_len // cp_size))
 
 
 def zigzag_placement(full_len: int, cp_size: int) -> Placement:
@@ -153,7 +153,7 @@ def zigzag_placement(full_len: int, cp_size: int) -> Placement:
     if full_len % (2 * cp_size):
         raise PlanError(f"placement='zigzag' needs the row length S={full_len} divisible by 2 * cp_size = "
                         f"{2 * cp_size}; use a seq_len that is, or another placement")
-    chunks = torch.arange(full_len, dtype=torch.int64).view(2 * cp_size, -1)
+    chunks = arange(full_len).view(2 * cp_size, -1)
     return Placement("zigzag", torch.cat([chunks[:cp_size], chunks.flip(0)[:cp_size]], dim=1))
 
 
@@ -209,7 +209,7 @@ def _rank_work_tokens(doc_ids_row: torch.Tensor, placement: Placement, windows: 
                       ) -> torch.Tensor:
     """:func:`rank_work` token by token (any number of windows)."""
     row = doc_ids_row.to(torch.int64)
-    offset = (torch.arange(row.numel()) - run_starts(row)).to(torch.float64)
+    offset = (arange(row.numel()) - run_starts(row)).to(torch.float64)
     per_token = torch.zeros_like(offset)
     for window in windows:
         per_token += offset + 1 if window is None else torch.clamp(offset + 1, max=window)

@@ -29,7 +29,7 @@ import numpy as np
 import torch
 
 from ..errors import PlanError
-from .documents import as_doc_ids, document_spans
+from .documents import arange, as_doc_ids, document_spans
 
 __all__ = ["PlanError", "QueryPiece", "Segment", "VarlenPlan", "build_varlen_plan", "plan_from_segments"]
 
@@ -155,7 +155,7 @@ def _concat_ranges(starts: list[int], lens: list[int]) -> torch.Tensor:
     starts_t = torch.tensor(starts, dtype=torch.int64)
     lens_t = torch.tensor(lens, dtype=torch.int64)
     offsets = torch.cumsum(lens_t, 0) - lens_t
-    return torch.repeat_interleave(starts_t - offsets, lens_t) + torch.arange(int(lens_t.sum()))
+    return torch.repeat_interleave(starts_t - offsets, lens_t) + arange(int(lens_t.sum()))
 
 
 def plan_from_segments(segments: Sequence[Segment], *, batch_size: int, q_rows: int, kv_rows: int,
@@ -181,9 +181,9 @@ def plan_from_segments(segments: Sequence[Segment], *, batch_size: int, q_rows: 
     k_offset = segs[0].k_start if (segs and k_contiguous) else 0
     k_index = None if k_contiguous else _concat_ranges([s.k_start for s in segs], k_lens)
     if kv_order is not None and segs:
-        rows = kv_order[torch.arange(k_offset, k_offset + host_cu_k[-1]) if k_index is None else k_index]
+        rows = kv_order[arange(k_offset, k_offset + host_cu_k[-1]) if k_index is None else k_index]
         # Still one slice of the buffer (e.g. contiguous placement: received rows precede own rows).
-        k_contiguous = bool(torch.equal(rows, torch.arange(int(rows[0]), int(rows[0]) + rows.numel())))
+        k_contiguous = bool(torch.equal(rows, arange(int(rows[0]), int(rows[0]) + rows.numel())))
         k_index, k_offset = (None, int(rows[0])) if k_contiguous else (rows, 0)
     plan = VarlenPlan(
         batch_size=batch_size,
