@@ -342,13 +342,19 @@ def _placement_of_ranges(ranges: list[list[tuple[int, int]]], room: list[int], s
         lengths.extend(b - a for a, b in pieces)
     start = np.asarray(starts, dtype=np.int64)
     length = np.asarray(lengths, dtype=np.int64)
+    keep = length > 0
+    start, length = start[keep], length[keep]
     row_start = np.cumsum(length) - length  # flat [P * L] row of each piece, rank-major
-    index = np.repeat(start - row_start, length) + np.arange(full_len, dtype=np.int64)
+    # The table as a running sum: +1 per row, and at each piece's first row the jump from the previous piece's
+    # last position to this piece's start. One row-long array, written twice (fresh row-long arrays cost page
+    # faults on top of their writes).
+    index = np.ones(full_len, dtype=np.int64)
+    if start.size:
+        index[row_start] = np.append(start[0], start[1:] - (start[:-1] + length[:-1] - 1))
+    np.cumsum(index, out=index)
     placement = Placement("balanced", torch.from_numpy(index).view(cp_size, local_len))
     # Its runs are known here (the pieces, merged where one continues the previous on the same rank): set the
     # cached property, so no pass over ``index`` recomputes them.
-    keep = length > 0
-    start, length, row_start = start[keep], length[keep], row_start[keep]
     rank = row_start // max(local_len, 1)
     fresh = np.ones(start.size, dtype=bool)
     fresh[1:] = (start[1:] != start[:-1] + length[:-1]) | (rank[1:] != rank[:-1])
