@@ -180,7 +180,7 @@ class BlockDiagCPContext:
 
         plan, exchange = plans(None)
         window_plans = {w: plans(w) for w in windows}
-        local_index = placement.index[cp_rank].clone()  # its own storage: pickles L positions, not P * L
+        local_index = placement.positions(cp_rank)  # its own storage: pickles L positions, not P * L
         # Per-field plan fingerprint (issue 17): the agreement can then name the field ranks differ in.
         planned = [(None, exchange), *((w, ex) for w, (_, ex) in window_plans.items())]
         plan_fp = plan_fingerprint(config, cp_size=cp_size, placement_kind=placement.kind,

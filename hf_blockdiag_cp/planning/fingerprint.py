@@ -97,7 +97,7 @@ def _placement_hash(placement_rows: Any) -> int:
     runs are the table, in ``O(runs)`` bytes), else of the ``[P, L]`` table's bytes."""
     runs = getattr(placement_rows, "runs", None)
     if runs is not None:
-        shape = repr(tuple(placement_rows.index.shape)).encode()
+        shape = repr((placement_rows.cp_size, placement_rows.local_len)).encode()
         return fingerprint(b"runs", shape, runs.start, runs.length, runs.rank, runs.local_start)
     return fingerprint(placement_rows.to(torch.int64).contiguous().numpy())
 

@@ -74,22 +74,61 @@ class Placement:
         kind: the name of the scheme that made it (one of :data:`PLACEMENTS`).
         index: ``[P, L]`` int64; ``index[r]`` are rank ``r``'s global positions in ascending order
             (its ``local_index``). Together the rows are a permutation of ``[0, S)``.
+
+    A placement made from its runs (:meth:`from_runs`, what the balanced placement returns) builds ``index`` on
+    first use: planning one rank (:meth:`positions`, :meth:`pieces`, :attr:`runs`) needs only the runs, so a
+    step pays no row-long table, and a pickled context carries none, unless something asks for it.
     """
 
     kind: str
     index: torch.Tensor
 
+    @classmethod
+    def from_runs(cls, kind: str, runs: PlacementRuns, cp_size: int, local_len: int) -> Placement:
+        """The placement whose runs are ``runs`` (``P = cp_size`` ranks of ``local_len`` positions each)."""
+        placement = cls.__new__(cls)
+        object.__setattr__(placement, "kind", kind)
+        placement.__dict__["runs"] = runs
+        placement.__dict__["_shape"] = (cp_size, local_len)
+        return placement
+
+    def __getattr__(self, name: str) -> torch.Tensor:
+        # Only reached for attributes not set: ``index`` of a placement made from runs, built once.
+        shape = self.__dict__.get("_shape")
+        if name != "index" or shape is None:
+            raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+        index = _table_of_runs(self.__dict__["runs"], *shape)
+        self.__dict__["index"] = index
+        return index
+
+    @property
+    def _dims(self) -> tuple[int, int]:
+        shape = self.__dict__.get("_shape")
+        return shape if shape is not None else tuple(self.index.shape)
+
     @property
     def cp_size(self) -> int:
-        return self.index.shape[0]
+        return self._dims[0]
 
     @property
     def local_len(self) -> int:
-        return self.index.shape[1]
+        return self._dims[1]
 
     @property
     def full_len(self) -> int:
-        return self.index.numel()
+        return self._dims[0] * self._dims[1]
+
+    def positions(self, rank: int) -> torch.Tensor:
+        """``[L]`` int64 global positions of rank ``rank`` (ascending; a tensor of its own): from the runs when
+        the table is not built, ``O(L)``."""
+        index = self.__dict__.get("index")
+        if index is not None:
+            return index[rank].clone()
+        runs = self.runs
+        mine = runs.rank == rank  # in start order = local row order (a rank's positions ascend)
+        start, length = runs.start[mine], runs.length[mine]
+        return torch.from_numpy(np.repeat(start - (np.cumsum(length) - length), length)
+                                + np.arange(int(length.sum()), dtype=np.int64))
 
     @property
     def is_contiguous(self) -> bool:
@@ -124,6 +163,11 @@ class Placement:
 
     def pieces(self, rank: int) -> list[QueryPiece]:
         """Rank ``rank``'s local rows as runs of consecutive global positions (batch row 0)."""
+        if "index" not in self.__dict__:  # the runs are these pieces (maximal, in local row order)
+            runs = self.runs
+            mine = runs.rank == rank
+            return [QueryPiece(0, a, g, n) for a, g, n in zip(runs.local_start[mine].tolist(),
+                                                               runs.start[mine].tolist(), runs.length[mine].tolist())]
         positions = self.index[rank]
         breaks = torch.nonzero(positions[1:] != positions[:-1] + 1).flatten() + 1
         starts = [0, *breaks.tolist()]
@@ -345,25 +389,32 @@ def _placement_of_ranges(ranges: list[list[tuple[int, int]]], room: list[int], s
     keep = length > 0
     start, length = start[keep], length[keep]
     row_start = np.cumsum(length) - length  # flat [P * L] row of each piece, rank-major
-    # The table as a running sum: +1 per row, and at each piece's first row the jump from the previous piece's
-    # last position to this piece's start. One row-long array, written twice (fresh row-long arrays cost page
-    # faults on top of their writes).
-    index = np.ones(full_len, dtype=np.int64)
-    if start.size:
-        index[row_start] = np.append(start[0], start[1:] - (start[:-1] + length[:-1] - 1))
-    np.cumsum(index, out=index)
-    placement = Placement("balanced", torch.from_numpy(index).view(cp_size, local_len))
-    # Its runs are known here (the pieces, merged where one continues the previous on the same rank): set the
-    # cached property, so no pass over ``index`` recomputes them.
+    # The runs are the pieces, merged where one continues the previous on the same rank; the [P, L] table is
+    # built from them only if asked for.
     rank = row_start // max(local_len, 1)
     fresh = np.ones(start.size, dtype=bool)
     fresh[1:] = (start[1:] != start[:-1] + length[:-1]) | (rank[1:] != rank[:-1])
     first = np.flatnonzero(fresh)
     merged = np.add.reduceat(length, first) if first.size else length[first]
     order = np.argsort(start[first], kind="stable")
-    placement.__dict__["runs"] = PlacementRuns(start[first][order], merged[order].astype(np.int64),
-                                                rank[first][order], (row_start[first] % max(local_len, 1))[order])
-    return placement
+    runs = PlacementRuns(start[first][order], merged[order].astype(np.int64), rank[first][order],
+                         (row_start[first] % max(local_len, 1))[order])
+    return Placement.from_runs("balanced", runs, cp_size, local_len)
+
+
+def _table_of_runs(runs: PlacementRuns, cp_size: int, local_len: int) -> torch.Tensor:
+    """The ``[P, L]`` table of a placement given as runs."""
+    order = np.argsort(runs.rank * local_len + runs.local_start, kind="stable")  # rank-major, local row order
+    start, length = runs.start[order], runs.length[order]
+    row_start = np.cumsum(length) - length
+    # A running sum: +1 per row, and at each run's first row the jump from the previous run's last position to
+    # this run's start. One row-long array, written twice (fresh row-long arrays cost page faults on top of
+    # their writes).
+    index = np.ones(cp_size * local_len, dtype=np.int64)
+    if start.size:
+        index[row_start] = np.append(start[0], start[1:] - (start[:-1] + length[:-1] - 1))
+    np.cumsum(index, out=index)
+    return torch.from_numpy(index).view(cp_size, local_len)
 
 
 def _cheapest_split(docs: list[int], excess: float, spans: list[tuple[int, int]], parts: list[int],
