@@ -525,24 +525,26 @@ def _improve(placed: list[list[_Item]], load: list[float], room: list[int], *, s
         works[rank, :len(top)] = [it.work for it in top]
         tokens[rank, :len(top)] = [it.tokens for it in top]
 
+    # numpy copies of ``load`` / ``room``, updated with the same float operations on every move.
+    loads, rooms = np.asarray(load, dtype=np.float64), np.asarray(room, dtype=np.int64)
     for _ in range(steps):
-        worst = max(range(cp_size), key=lambda r: load[r])
+        worst = int(np.argmax(loads))  # the first most loaded rank, as max() over the list
         count = min(len(placed[worst]), width)
         if count == 0:
             return
         peak_load = load[worst]
-        loads, rooms = np.asarray(load), np.asarray(room, dtype=np.int64)
         a_work, a_tokens = works[worst, :count, None], tokens[worst, :count, None]  # [i, 1]
-        other = np.arange(cp_size) != worst
         # Moves [i, r]: item i of the worst rank to rank r.
         move = np.maximum(peak_load - a_work, loads + a_work)
-        move = np.where(other & (rooms >= a_tokens) & (move < peak_load), move, np.inf)
+        move = np.where((rooms >= a_tokens) & (move < peak_load), move, np.inf)
+        move[:, worst] = np.inf
         # Swaps [i, r, j]: item i for item j of rank r (a padded slot has infinite work: never lighter).
         a_work3, a_tokens3 = a_work[:, :, None], a_tokens[:, :, None]
         swap = np.maximum(peak_load - a_work3 + works, loads[:, None] + a_work3 - works)
-        fits = ((works < a_work3) & (rooms[:, None] + tokens >= a_tokens3)
-                & (room[worst] + a_tokens3 >= tokens) & other[:, None])
-        swap = np.where(fits & (swap < peak_load), swap, np.inf)
+        fits = ((works < a_work3) & (rooms[:, None] + tokens >= a_tokens3) & (room[worst] + a_tokens3 >= tokens)
+                & (swap < peak_load))
+        swap = np.where(fits, swap, np.inf)
+        swap[:, worst] = np.inf
         scores = np.concatenate([move[:, :, None], swap], axis=2)  # [i, r, 1 + width]: the loop's order
         flat = int(np.argmin(scores))
         if scores.flat[flat] == np.inf:
@@ -557,6 +559,10 @@ def _improve(placed: list[list[_Item]], load: list[float], room: list[int], *, s
             load[dst] += item.work
             room[src] += item.tokens
             room[dst] -= item.tokens
+            loads[src] -= item.work
+            loads[dst] += item.work
+            rooms[src] += item.tokens
+            rooms[dst] -= item.tokens
         for r_ in (worst, r):
             placed[r_].sort(key=lambda it: -it.work)
             refresh(r_)
