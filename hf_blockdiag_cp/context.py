@@ -53,9 +53,10 @@ class BlockDiagCPContext:
         window_plans: per planned sliding window, the varlen and exchange plans of windowed layers.
         plan_fingerprint: hash of what every CP rank must have planned alike (placement, windows,
             exchange strategies, backend request); compared in the step's agreement.
-        position_ids: ``[B, S]`` int64 CPU position ids of the full rows when known (the collators
-            give them), else ``None``; :attr:`local_position_ids` is this rank's share, which
-            :func:`~hf_blockdiag_cp.guard_model` supplies to a forward that lacks ``position_ids``.
+        local_position_ids: ``[B, L]`` int64 CPU position ids of this rank's rows when the full rows' were given
+            (the collators give them), else ``None``; :func:`~hf_blockdiag_cp.guard_model` supplies them to a
+            forward that lacks ``position_ids``. Only this rank's share: the context carries no row-long ids
+            beyond ``doc_ids``.
         layout: the step's head-parallel (Ulysses) :class:`~hf_blockdiag_cp.planning.layout.LayoutPlan` when
             ``config.ulysses_size != 1`` (``None``: today's sequence-only layout). When it chose ``u > 1``
             (:attr:`ulysses_size`), ``placement`` is the layout's ``[P, L]`` table, and ``plan``,
@@ -88,7 +89,7 @@ class BlockDiagCPContext:
     config: BlockDiagCPConfig = field(default_factory=BlockDiagCPConfig)
     placement: Placement | None = None
     window_plans: dict[int, tuple[VarlenPlan, ExchangePlan]] = field(default_factory=dict)
-    position_ids: torch.Tensor | None = None
+    local_position_ids: torch.Tensor | None = None
     plan_fingerprint: int = 0
     layout: LayoutPlan | None = None
     head_group: Any = None
@@ -153,17 +154,16 @@ class BlockDiagCPContext:
         doc_ids32 = ids.to(torch.int32).contiguous()
         tokens = _full_rows(input_ids, ids.shape)
         common = dict(doc_ids=doc_ids32, cp_rank=cp_rank, cp_size=cp_size, group=group,
-                      local_len=local_len, data_fingerprint=data_fingerprint(doc_ids32, tokens), config=config,
-                      position_ids=positions)
+                      local_len=local_len, data_fingerprint=data_fingerprint(doc_ids32, tokens), config=config)
         if cp_size == 1:
             plan = build_varlen_plan(ids, local_len=local_len, validate=config.validate)
-            return cls(row_offset=0, local_index=arange(local_len), plan=plan, **common)
+            return cls(row_offset=0, local_index=arange(local_len), plan=plan, local_position_ids=positions, **common)
         layout = None
         if config.ulysses_size != 1:
             layout = _plan_layout(ids, cp_size, config, placement, sliding_windows, heads)
             if layout.ulysses_size > 1:
                 return _layout_context(cls, layout, ids, cp_rank, ulysses_groups, windows, common,
-                                       placement or config.placement, tokens)
+                                       placement or config.placement, tokens, positions)
             placement = layout.placement  # auto chose u = 1: today's layout on the same placement
         if not isinstance(placement, Placement):
             placement = make_placement(ids[0], cp_size, placement or config.placement,
@@ -188,7 +188,7 @@ class BlockDiagCPContext:
                                    strategies=[str(ex.strategy) for _, ex in planned])
         return cls(row_offset=int(local_index[0]), local_index=local_index, plan=plan, exchange=exchange,
                    placement=placement, window_plans=window_plans, plan_fingerprint=plan_fp, layout=layout,
-                   shard_checksum=_own_checksums(local_index, tokens, positions), **common)
+                   **_own_shard(local_index, tokens, positions), **common)
 
     @property
     def ulysses_size(self) -> int:
@@ -221,13 +221,6 @@ class BlockDiagCPContext:
     @property
     def full_len(self) -> int:
         return self.doc_ids.shape[1]
-
-    @property
-    def local_position_ids(self) -> torch.Tensor | None:
-        """``[B, L]`` int64 CPU position ids of this rank's rows (``None`` when the context has none)."""
-        if self.position_ids is None:
-            return None
-        return self.position_ids[:, self.local_index]
 
     def to(self, device: torch.device | str, non_blocking: bool = True) -> BlockDiagCPContext:
         """This context with its plans' few small tensors on ``device`` (``self`` when they are there already).
@@ -264,12 +257,15 @@ def _full_rows(input_ids: Any, shape: torch.Size) -> torch.Tensor | None:
     return tokens if tokens.shape == shape else None
 
 
-def _own_checksums(local_index: torch.Tensor, tokens: torch.Tensor | None,
-                   positions: torch.Tensor | None) -> tuple[int, int]:
-    """The checksums of the ``input_ids`` / ``position_ids`` shard this rank's forward must receive (``-1``: not
-    known): a gather of its ``L`` positions, no pass over the row."""
-    return tuple(-1 if full is None else int(shard_checksum(full.index_select(1, local_index)))
-                 for full in (tokens, positions))
+def _own_shard(local_index: torch.Tensor, tokens: torch.Tensor | None,
+               positions: torch.Tensor | None) -> dict[str, Any]:
+    """This rank's share of the full rows ``tokens`` / ``positions`` (``[B, S]`` or ``None``): its ``[B, L]``
+    position ids and the checksums of the ``input_ids`` / ``position_ids`` shard its forward must receive (``-1``:
+    not known); gathers of its ``L`` positions, no pass over the row."""
+    local_positions = None if positions is None else positions.index_select(1, local_index)
+    sums = (-1 if tokens is None else int(shard_checksum(tokens.index_select(1, local_index))),
+            -1 if local_positions is None else int(shard_checksum(local_positions)))
+    return {"local_position_ids": local_positions, "shard_checksum": sums}
 
 
 def _check_group_size(group: Any, cp_size: int) -> None:
@@ -303,7 +299,8 @@ def _plan_layout(ids: torch.Tensor, cp_size: int, config: BlockDiagCPConfig, pla
 
 def _layout_context(cls: type[BlockDiagCPContext], layout: LayoutPlan, ids: torch.Tensor, cp_rank: int,
                     ulysses_groups: Any, windows: list[int], common: dict[str, Any],
-                    placement_kind: str, tokens: torch.Tensor | None) -> BlockDiagCPContext:
+                    placement_kind: str, tokens: torch.Tensor | None,
+                    positions: torch.Tensor | None) -> BlockDiagCPContext:
     """Rank ``cp_rank``'s context under a ``u > 1`` layout: its sequence group's plans (``u * L`` query rows)."""
     u, c = layout.ulysses_size, layout.seq_groups
     if ulysses_groups is None:
@@ -337,5 +334,4 @@ def _layout_context(cls: type[BlockDiagCPContext], layout: LayoutPlan, ids: torc
     return cls(row_offset=int(local_index[0]), local_index=local_index, plan=plan, exchange=exchange,
                placement=layout.placement, window_plans=window_plans, plan_fingerprint=plan_fp, layout=layout,
                head_group=head_group, seq_group=seq_group,
-               shard_checksum=_own_checksums(local_index, tokens, common["position_ids"]),
-               **common)
+               **_own_shard(local_index, tokens, positions), **common)

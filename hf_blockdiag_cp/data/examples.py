@@ -38,6 +38,8 @@ class Document:
 
     def piece(self, start: int, length: int) -> Document:
         """Tokens ``[start, start + length)`` as a document whose positions continue this one's."""
+        if start == 0 and length >= len(self):
+            return self  # the whole document (documents are read-only): no new slices
         return Document(self.input_ids[start:start + length], self.labels[start:start + length],
                         self.position_start + start, self.index)
 
