@@ -147,14 +147,20 @@ def shard_checksum(values: torch.Tensor) -> torch.Tensor:
     arithmetic (wrapping) cut to 62 bits. Returns a 0-d int64 tensor.
     """
     flat = values.reshape(-1).to(torch.int64)
+    if flat.device.type == "cpu":
+        # The host copy (the collator's): one dot product with the cached weights. Integer sums wrap alike in
+        # any order, so the low 62 bits equal the tensor formula's.
+        weights = _row_weights(flat.numel())
+        weighted = int(np.dot(flat.contiguous().numpy(), weights)) + int(weights.sum())
+        return torch.tensor((weighted * 1000003 + flat.numel()) & _CHECKSUM_MASK, dtype=torch.int64)
     total = ((flat + 1) * checksum_weights(flat.numel(), flat.device)).sum() * 1000003 + flat.numel()
     return total.bitwise_and(_CHECKSUM_MASK)
 
 
-@functools.lru_cache(maxsize=2)
+@functools.lru_cache(maxsize=4)
 def _row_weights(length: int) -> np.ndarray:
     """:func:`checksum_weights` as a read-only numpy array, cached: every step of a run has the same row length
-    (the cache holds the last two lengths, 8 bytes per position)."""
+    (the cache holds the last four lengths, 8 bytes per position: a row's and a shard's)."""
     weights = checksum_weights(length).numpy()
     weights.flags.writeable = False
     return weights

@@ -143,6 +143,16 @@ def test_checksum_equals_the_python_reference(values):
     assert int(shard_checksum(t)) == reference_shard_checksum(t)
 
 
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.integers(-2**63, 2**63 - 1), min_size=1, max_size=300))
+def test_host_checksum_equals_the_tensor_formula_a_device_runs(values):
+    """The collator's host checksum (a numpy dot with cached weights) = the tensor formula a forward runs on its
+    device, also where the int64 sums wrap."""
+    t = torch.tensor(values, dtype=torch.int64)
+    formula = (((t + 1) * checksum_weights(t.numel())).sum() * 1000003 + t.numel()).bitwise_and((1 << 62) - 1)
+    assert int(shard_checksum(t)) == int(formula)
+
+
 def test_checksum_weights_do_not_repeat_within_a_row():
     weights = checksum_weights(1 << 20)
     assert torch.unique(weights).numel() == weights.numel()
