@@ -157,7 +157,10 @@ class BlockDiagCPContext:
                       local_len=local_len, data_fingerprint=data_fingerprint(doc_ids32, tokens), config=config)
         if cp_size == 1:
             plan = build_varlen_plan(ids, local_len=local_len, validate=config.validate)
-            return cls(row_offset=0, local_index=arange(local_len), plan=plan, local_position_ids=positions, **common)
+            # A copy: the context outlives the rows it was built from (a collator reuses their buffers).
+            local_positions = None if positions is None else positions.clone()
+            return cls(row_offset=0, local_index=arange(local_len), plan=plan, local_position_ids=local_positions,
+                       **common)
         layout = None
         if config.ulysses_size != 1:
             layout = _plan_layout(ids, cp_size, config, placement, sliding_windows, heads)
