@@ -323,7 +323,7 @@ def balanced_placement(doc_ids_row: torch.Tensor, cp_size: int, *, tolerance: fl
     spans = document_spans(row)
     parts = [max(1, math.ceil((end - start) / local_len)) for start, end in spans]
     best: tuple[float, list[list[_Item]], list[int]] | None = None
-    cache: dict[tuple[int, int], list[_Item]] = {}  # items are never modified: rounds share them
+    cache: dict[tuple[int, int], list[tuple]] = {}  # items are never modified: rounds share them
     for _ in range(max_rounds + 1):
         placed, load, room, spilled = _assign(spans, parts, cp_size, local_len, windows, cache=cache)
         _improve(placed, load, room)
@@ -437,19 +437,21 @@ def _cheapest_split(docs: list[int], excess: float, spans: list[tuple[int, int]]
 
 
 def _assign(spans: list[tuple[int, int]], parts: list[int], cp_size: int, local_len: int,
-            windows: Sequence[int | None], cache: dict[tuple[int, int], list[_Item]] | None = None
+            windows: Sequence[int | None], cache: dict[tuple[int, int], list[tuple]] | None = None
             ) -> tuple[list[list[_Item]], list[float], list[int], list[int]]:
     """One placement round: ``(items per rank heaviest first, work per rank, room left per rank,
     documents cut because their piece fit no rank)``."""
-    items: list[_Item] = []
+    keyed: list[tuple[float, int, int, int, _Item]] = []
     cache = {} if cache is None else cache  # (doc, parts) -> its items: rounds change few documents' parts
     for doc, (start, end) in enumerate(spans):
         made = cache.get((doc, parts[doc]))
         if made is None:
             made = cache[doc, parts[doc]] = ([_item(doc, start, [(start, end)], windows)] if parts[doc] == 1 else
                                              _head_tail_items(doc, start, end - start, parts[doc], windows))
-        items.extend(made)
-    items.sort(key=lambda it: (-it.work, -it.tokens))
+            made[:] = [(-it.work, -it.tokens, doc, j, it) for j, it in enumerate(made)]
+        keyed.extend(made)
+    # Heaviest first, ties in document order (a stable sort by (-work, -tokens)): the cached tuples sort in C.
+    keyed.sort()
     load = [0.0] * cp_size
     room = [local_len] * cp_size
     placed: list[list[_Item]] = [[] for _ in range(cp_size)]
@@ -459,16 +461,22 @@ def _assign(spans: list[tuple[int, int]], parts: list[int], cp_size: int, local_
     # out and one in per item), so the scan stops at the first fitting rank, skipping only nearly full ones.
     order = [(0.0, -local_len, r) for r in range(cp_size)]
     ranks_of: dict[int, list[int]] = {}
-    for item in items:
-        tokens, rank, first_fit = item.tokens, None, None
-        holding = ranks_of.get(item.doc, ())
-        if tokens == 0:  # fits a full rank too (not in ``order``): look at every rank
+    bisect_left, insort = bisect.bisect_left, bisect.insort
+    for _, neg_tokens, doc, _, item in keyed:
+        rank = None
+        holding = ranks_of.get(doc, ())
+        if neg_tokens == 0:  # fits a full rank too (not in ``order``): look at every rank
             fits = [r for r in range(cp_size) if r not in holding] or list(range(cp_size))
             rank = min(fits, key=lambda r: (load[r], -room[r]))
-        else:
-            least = -tokens  # entries carry -room: a rank fits when -room <= -tokens
+        elif not holding:  # entries carry -room: a rank fits when -room <= -tokens
             for _, neg_room, r in order:
-                if neg_room <= least:
+                if neg_room <= neg_tokens:
+                    rank = r
+                    break
+        else:
+            first_fit = None
+            for _, neg_room, r in order:
+                if neg_room <= neg_tokens:
                     if r not in holding:
                         rank = r
                         break
@@ -477,18 +485,23 @@ def _assign(spans: list[tuple[int, int]], parts: list[int], cp_size: int, local_
             if rank is None:
                 rank = first_fit
         if rank is None:
-            _spill(item, spans[item.doc][0], windows, load, room, placed)
-            spilled.append(item.doc)
+            _spill(item, spans[doc][0], windows, load, room, placed)
+            spilled.append(doc)
             order = sorted((load[r], -room[r], r) for r in range(cp_size) if room[r] > 0)
             continue
-        if room[rank] > 0:
-            del order[bisect.bisect_left(order, (load[rank], -room[rank], rank))]
+        left = room[rank]
+        if left > 0:
+            del order[bisect_left(order, (load[rank], -left, rank))]
         placed[rank].append(item)
-        ranks_of.setdefault(item.doc, []).append(rank)
+        if holding:
+            holding.append(rank)
+        else:
+            ranks_of[doc] = [rank]
         load[rank] += item.work
-        room[rank] -= item.tokens
-        if room[rank] > 0:  # a full rank fits nothing more (every other item holds a token)
-            bisect.insort(order, (load[rank], -room[rank], rank))
+        left += neg_tokens
+        room[rank] = left
+        if left > 0:  # a full rank fits nothing more (every other item holds a token)
+            insort(order, (load[rank], -left, rank))
     return placed, load, room, spilled
 
 
@@ -506,13 +519,12 @@ def _improve(placed: list[list[_Item]], load: list[float], room: list[int], *, s
     slots = min(width, max(len(items) for items in placed))
     works = np.full((cp_size, slots), np.inf)
     tokens = np.zeros((cp_size, slots), dtype=np.int64)
-    # Filled in one assignment: (rank, slot, work, tokens) of every item in it.
-    cells = [(rank, slot, it.work, it.tokens) for rank, items in enumerate(placed)
-             for slot, it in enumerate(items[:slots])]
-    if cells:
-        rank_of, slot_of, work_of, tokens_of = zip(*cells)
-        works[rank_of, slot_of] = work_of
-        tokens[rank_of, slot_of] = tokens_of
+    # Filled in one assignment: every item's work and tokens at (its rank, its slot).
+    counts = np.fromiter((min(len(items), slots) for items in placed), dtype=np.int64, count=cp_size)
+    rank_of = np.repeat(np.arange(cp_size), counts)
+    slot_of = np.arange(rank_of.size) - np.repeat(np.cumsum(counts) - counts, counts)
+    works[rank_of, slot_of] = [it.work for items in placed for it in items[:slots]]
+    tokens[rank_of, slot_of] = [it.tokens for items in placed for it in items[:slots]]
 
     def refresh(rank: int) -> None:
         nonlocal works, tokens
