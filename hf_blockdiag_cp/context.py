@@ -16,7 +16,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -24,8 +23,9 @@ from ._validate import check_int
 from .config import BlockDiagCPConfig
 from .distributed.groups import GroupRef, group_to_ref, ref_to_group
 from .planning import PlanError, VarlenPlan, as_doc_ids, build_varlen_plan
+from .planning.documents import arange
 from .planning.exchange import ExchangePlan, plan_exchange
-from .planning.fingerprint import fingerprint, plan_fingerprint, shard_checksums
+from .planning.fingerprint import data_fingerprint, plan_fingerprint, shard_checksum
 from .planning.layout import HeadShape, LayoutPlan, plan_layout
 from .planning.placement import Placement, make_placement
 
@@ -53,9 +53,10 @@ class BlockDiagCPContext:
         window_plans: per planned sliding window, the varlen and exchange plans of windowed layers.
         plan_fingerprint: hash of what every CP rank must have planned alike (placement, windows,
             exchange strategies, backend request); compared in the step's agreement.
-        position_ids: ``[B, S]`` int64 CPU position ids of the full rows when known (the collators
-            give them), else ``None``; :attr:`local_position_ids` is this rank's share, which
-            :func:`~hf_blockdiag_cp.guard_model` supplies to a forward that lacks ``position_ids``.
+        local_position_ids: ``[B, L]`` int64 CPU position ids of this rank's rows when the full rows' were given
+            (the collators give them), else ``None``; :func:`~hf_blockdiag_cp.guard_model` supplies them to a
+            forward that lacks ``position_ids``. Only this rank's share: the context carries no row-long ids
+            beyond ``doc_ids``.
         layout: the step's head-parallel (Ulysses) :class:`~hf_blockdiag_cp.planning.layout.LayoutPlan` when
             ``config.ulysses_size != 1`` (``None``: today's sequence-only layout). When it chose ``u > 1``
             (:attr:`ulysses_size`), ``placement`` is the layout's ``[P, L]`` table, and ``plan``,
@@ -63,10 +64,11 @@ class BlockDiagCPContext:
             after the head all-to-all, and the ``c``-rank exchange between groups (run as rank ``cp_rank // u``).
         head_group / seq_group: the process groups of the ``u`` consecutive CP ranks of this rank and of
             the ``c`` ranks of equal ``cp_rank % u`` (``None`` unless ``u > 1``).
-        shard_checksums: per CP rank, ``(input_ids, position_ids)`` checksums
-            (:func:`~hf_blockdiag_cp.planning.fingerprint.shard_checksum`) of the rows that rank's forward
-            must receive, ``-1`` where the collator did not give that tensor (``()`` on one rank); every
-            forward's agreement compares them with what the forward actually got.
+        shard_checksum: this rank's ``(input_ids, position_ids)`` checksums
+            (:func:`~hf_blockdiag_cp.planning.fingerprint.shard_checksum`) of the rows its forward must
+            receive, ``-1`` where the collator did not give that tensor (``()`` on one rank); every forward's
+            agreement compares them with what the forward actually got. Only this rank's: computing every
+            rank's would be a pass over the whole row, and no rank checks another's tensors.
 
     One attribute is not a field (not compared, not pickled, not carried by ``dataclasses.replace``):
     ``origin``, the context a device copy was made from by :meth:`to` (``None`` on the context the
@@ -87,12 +89,12 @@ class BlockDiagCPContext:
     config: BlockDiagCPConfig = field(default_factory=BlockDiagCPConfig)
     placement: Placement | None = None
     window_plans: dict[int, tuple[VarlenPlan, ExchangePlan]] = field(default_factory=dict)
-    position_ids: torch.Tensor | None = None
+    local_position_ids: torch.Tensor | None = None
     plan_fingerprint: int = 0
     layout: LayoutPlan | None = None
     head_group: Any = None
     seq_group: Any = None
-    shard_checksums: tuple[tuple[int, int], ...] = ()
+    shard_checksum: tuple[int, ...] = ()
     if TYPE_CHECKING:  # set by __post_init__ / to(), not a dataclass field
         origin: BlockDiagCPContext | None
 
@@ -150,22 +152,21 @@ class BlockDiagCPContext:
         for w in windows:
             check_int("sliding_windows", w, minimum=1)
         doc_ids32 = ids.to(torch.int32).contiguous()
-        # Hashed in place (numpy views, no byte copies): the same bytes as before, one pass each.
-        parts = [repr(tuple(ids.shape)).encode(), doc_ids32.numpy()]
-        if input_ids is not None:
-            parts.append(torch.as_tensor(input_ids).detach().to("cpu", torch.int64).contiguous().numpy())
+        tokens = _full_rows(input_ids, ids.shape)
         common = dict(doc_ids=doc_ids32, cp_rank=cp_rank, cp_size=cp_size, group=group,
-                      local_len=local_len, data_fingerprint=fingerprint(*parts), config=config,
-                      position_ids=positions)
+                      local_len=local_len, data_fingerprint=data_fingerprint(doc_ids32, tokens), config=config)
         if cp_size == 1:
             plan = build_varlen_plan(ids, local_len=local_len, validate=config.validate)
-            return cls(row_offset=0, local_index=torch.arange(local_len), plan=plan, **common)
+            # A copy: the context outlives the rows it was built from (a collator reuses their buffers).
+            local_positions = None if positions is None else positions.clone()
+            return cls(row_offset=0, local_index=arange(local_len), plan=plan, local_position_ids=local_positions,
+                       **common)
         layout = None
         if config.ulysses_size != 1:
             layout = _plan_layout(ids, cp_size, config, placement, sliding_windows, heads)
             if layout.ulysses_size > 1:
                 return _layout_context(cls, layout, ids, cp_rank, ulysses_groups, windows, common,
-                                       placement or config.placement, input_ids)
+                                       placement or config.placement, tokens, positions)
             placement = layout.placement  # auto chose u = 1: today's layout on the same placement
         if not isinstance(placement, Placement):
             placement = make_placement(ids[0], cp_size, placement or config.placement,
@@ -182,7 +183,7 @@ class BlockDiagCPContext:
 
         plan, exchange = plans(None)
         window_plans = {w: plans(w) for w in windows}
-        local_index = placement.index[cp_rank].clone()  # its own storage: pickles L positions, not P * L
+        local_index = placement.positions(cp_rank)  # its own storage: pickles L positions, not P * L
         # Per-field plan fingerprint (issue 17): the agreement can then name the field ranks differ in.
         planned = [(None, exchange), *((w, ex) for w, (_, ex) in window_plans.items())]
         plan_fp = plan_fingerprint(config, cp_size=cp_size, placement_kind=placement.kind,
@@ -190,7 +191,7 @@ class BlockDiagCPContext:
                                    strategies=[str(ex.strategy) for _, ex in planned])
         return cls(row_offset=int(local_index[0]), local_index=local_index, plan=plan, exchange=exchange,
                    placement=placement, window_plans=window_plans, plan_fingerprint=plan_fp, layout=layout,
-                   shard_checksums=_shard_checksums(placement, ids.shape, input_ids, positions), **common)
+                   **_own_shard(local_index, tokens, positions), **common)
 
     @property
     def ulysses_size(self) -> int:
@@ -224,13 +225,6 @@ class BlockDiagCPContext:
     def full_len(self) -> int:
         return self.doc_ids.shape[1]
 
-    @property
-    def local_position_ids(self) -> torch.Tensor | None:
-        """``[B, L]`` int64 CPU position ids of this rank's rows (``None`` when the context has none)."""
-        if self.position_ids is None:
-            return None
-        return self.position_ids[:, self.local_index]
-
     def to(self, device: torch.device | str, non_blocking: bool = True) -> BlockDiagCPContext:
         """This context with its plans' few small tensors on ``device`` (``self`` when they are there already).
 
@@ -256,29 +250,25 @@ class BlockDiagCPContext:
                             f"collator?")
 
 
-def _shard_checksums(placement: Placement, shape: torch.Size, input_ids: Any,
-                     positions: torch.Tensor | None) -> tuple[tuple[int, int], ...]:
-    """Per rank, the checksums of the ``input_ids`` / ``position_ids`` shard its forward must receive
-    (``-1``: not known); the forward agreement compares them with the tensors the forward got."""
-    ids = None
-    if input_ids is not None:
-        ids = torch.as_tensor(input_ids).detach().to("cpu", torch.int64)
-        ids = ids.expand(shape[0], -1) if ids.dim() == 1 else ids
-        if ids.shape != shape:
-            ids = None  # a shape the rows do not have: nothing to compare against
-    # One gather of the whole row into [B, P, L] and one weighted sum: no per-rank pass over the row.
-    runs = placement.runs
-    # Contiguous shards (one run per rank, in rank order) are a view of the row; other placements gather.
-    contiguous = runs.start.size == placement.cp_size and bool((runs.rank == np.arange(placement.cp_size)).all())
+def _full_rows(input_ids: Any, shape: torch.Size) -> torch.Tensor | None:
+    """``input_ids`` as CPU int64 ``[B, S]`` rows of ``shape`` (a 1-D row is shared by every batch row), or
+    ``None`` when not given or of another shape (nothing to hash or compare against)."""
+    if input_ids is None:
+        return None
+    tokens = torch.as_tensor(input_ids).detach().to("cpu", torch.int64)
+    tokens = tokens.expand(shape[0], -1) if tokens.dim() == 1 else tokens
+    return tokens if tokens.shape == shape else None
 
-    def shards(full: torch.Tensor) -> torch.Tensor:
-        if contiguous:
-            return full.view(full.shape[0], placement.cp_size, -1)
-        # index_select on the flat table: a plain gather, several times faster than advanced indexing.
-        return full.index_select(1, placement.index.reshape(-1)).view(full.shape[0], placement.cp_size, -1)
 
-    sums = [[-1] * placement.cp_size if full is None else shard_checksums(shards(full)) for full in (ids, positions)]
-    return tuple(zip(*sums))
+def _own_shard(local_index: torch.Tensor, tokens: torch.Tensor | None,
+               positions: torch.Tensor | None) -> dict[str, Any]:
+    """This rank's share of the full rows ``tokens`` / ``positions`` (``[B, S]`` or ``None``): its ``[B, L]``
+    position ids and the checksums of the ``input_ids`` / ``position_ids`` shard its forward must receive (``-1``:
+    not known); gathers of its ``L`` positions, no pass over the row."""
+    local_positions = None if positions is None else positions.index_select(1, local_index)
+    sums = (-1 if tokens is None else int(shard_checksum(tokens.index_select(1, local_index))),
+            -1 if local_positions is None else int(shard_checksum(local_positions)))
+    return {"local_position_ids": local_positions, "shard_checksum": sums}
 
 
 def _check_group_size(group: Any, cp_size: int) -> None:
@@ -312,7 +302,8 @@ def _plan_layout(ids: torch.Tensor, cp_size: int, config: BlockDiagCPConfig, pla
 
 def _layout_context(cls: type[BlockDiagCPContext], layout: LayoutPlan, ids: torch.Tensor, cp_rank: int,
                     ulysses_groups: Any, windows: list[int], common: dict[str, Any],
-                    placement_kind: str, input_ids: Any) -> BlockDiagCPContext:
+                    placement_kind: str, tokens: torch.Tensor | None,
+                    positions: torch.Tensor | None) -> BlockDiagCPContext:
     """Rank ``cp_rank``'s context under a ``u > 1`` layout: its sequence group's plans (``u * L`` query rows)."""
     u, c = layout.ulysses_size, layout.seq_groups
     if ulysses_groups is None:
@@ -346,5 +337,4 @@ def _layout_context(cls: type[BlockDiagCPContext], layout: LayoutPlan, ids: torc
     return cls(row_offset=int(local_index[0]), local_index=local_index, plan=plan, exchange=exchange,
                placement=layout.placement, window_plans=window_plans, plan_fingerprint=plan_fp, layout=layout,
                head_group=head_group, seq_group=seq_group,
-               shard_checksums=_shard_checksums(layout.placement, ids.shape, input_ids, common["position_ids"]),
-               **common)
+               **_own_shard(local_index, tokens, positions), **common)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import threading
 import warnings
 from collections.abc import Sequence
 from typing import Any
@@ -117,7 +118,9 @@ class PackingCollator:
     def __getstate__(self) -> dict[str, Any]:
         # DataLoader workers started with "spawn" receive the collator pickled: send the CP group
         # by name (the contexts built there carry the name back to the main process).
-        return {**self.__dict__, "group": group_to_ref(self.group)}
+        state = {**self.__dict__, "group": group_to_ref(self.group)}
+        state.pop("_buffers", None)  # per-process scratch (thread-local): a worker makes its own
+        return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update({**state, "group": ref_to_group(state["group"])})
@@ -194,12 +197,23 @@ class PackingCollator:
                 f"the {len(examples)} examples need {len(rows)} rows of seq_len={self.seq_len}, but under context "
                 f"parallelism (cp_size={self.cp_size}) one call returns one row; feed rows from "
                 f"hf_blockdiag_cp.PackedDataset with batch size 1, or use PackingCollator.micro_batches()")
+        # One row (always under CP): its full-row tensors go into this collator's reusable buffers; the batch and
+        # context keep only copies (gathers of this rank's positions, planned runs), never the buffers.
         full = assemble_rows([r.documents for r in rows], self.seq_len, pad_token_id=self.pad_token_id,
-                             label_pad_id=self.label_pad_id)
+                             label_pad_id=self.label_pad_id, scratch=self._row_buffers() if len(rows) == 1 else None)
         return self._log_layout(rank_batch(
             full, cp_rank=self.cp_rank, cp_size=self.cp_size, group=self.group, config=self.config,
             placement=self.placement, sliding_windows=self.sliding_windows, heads=self.heads,
             ulysses_groups=self.ulysses_groups))
+
+    def _row_buffers(self) -> dict[str, Any]:
+        """This thread's reusable full-row buffers (a collator called from several threads gives each its own)."""
+        local = self.__dict__.get("_buffers")
+        if local is None:
+            local = self.__dict__.setdefault("_buffers", threading.local())
+        if not hasattr(local, "rows"):
+            local.rows = {}
+        return local.rows
 
     def _check_vocabulary(self, docs: Sequence[Document], where: str) -> None:
         """Raise if a token or label id of ``docs`` is not below ``vocab_size`` (``where`` + ``doc.index``

@@ -8,7 +8,7 @@ from typing import Any
 import torch
 
 from ..config import BlockDiagCPConfig
-from ..planning.documents import doc_ids_from_flattening, run_boundaries, run_starts
+from ..planning.documents import arange, doc_ids_from_flattening, run_boundaries, run_starts
 from .examples import token_tensor
 from .rows import FullRows, shift_row_labels
 from .sharding import rank_batch, resolve_cp, row_multiple
@@ -71,7 +71,7 @@ def from_flattened(batch: Mapping[str, Any], *, cp_size: int | None = None, cp_r
                                       cu_seq_lens_k=_row(batch, "cu_seq_lens_k"), seq_idx=_row(batch, "seq_idx"),
                                       position_ids=position_ids)
     if position_ids is None:
-        position_ids = torch.arange(total) - run_starts(doc_ids)
+        position_ids = arange(total) - run_starts(doc_ids)
 
     labels = _row(batch, "labels")
     if labels is None:

@@ -113,10 +113,11 @@ def rank_batch(full: FullRows, *, cp_rank: int, cp_size: int, group: Any = None,
                       "on its own returns 0/0 = NaN", RuntimeWarning, stacklevel=3)
     local = context.local_index
     return {
-        "input_ids": full.input_ids[:, local],
-        "position_ids": full.position_ids[:, local],
-        "labels": full.labels[:, local],
-        "shift_labels": full.shift_labels[:, local],
+        # index_select: a plain gather, several times faster than advanced indexing on long rows.
+        "input_ids": full.input_ids.index_select(1, local),
+        "position_ids": full.position_ids.index_select(1, local),
+        "labels": full.labels.index_select(1, local),
+        "shift_labels": full.shift_labels.index_select(1, local),
         # A Python int, not a 0-dim tensor: accelerate's batch dispatcher (the Trainer's loader for iterable
         # datasets; on one process, see check_not_dispatched) concatenates every tensor along dim 0, which
         # 0-dim tensors fail.

@@ -166,6 +166,6 @@ def agree_forward(model: torch.nn.Module, named: dict[str, Any]) -> None:
     if tensors[1] is None:  # what HF models then use: every shard numbered from 0
         tensors[1] = torch.arange(ctx.local_len, device=device).expand(ctx.batch_size, -1)
     checksums = [shard_checksum(t) if isinstance(t, torch.Tensor) else -1 for t in tensors]
-    expected = ctx.shard_checksums[ctx.cp_rank] if ctx.shard_checksums else (-1,) * len(FORWARD_TENSORS)
+    expected = ctx.shard_checksum or (-1,) * len(FORWARD_TENSORS)
     agree_on_forward(fields, checksums, expected, group=ctx.group, rank=ctx.cp_rank, size=ctx.cp_size,
                      timeout=datetime.timedelta(seconds=ctx.config.collective_timeout_s), device=device)

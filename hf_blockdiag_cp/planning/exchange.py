@@ -32,7 +32,7 @@ import numpy as np
 import torch
 
 from ..config import BlockDiagCPConfig
-from .documents import as_doc_ids, run_starts
+from .documents import arange, as_doc_ids, run_starts
 from .placement import Placement, contiguous_placement
 from .varlen import PlanError
 
@@ -77,7 +77,7 @@ def needed_positions(doc_ids_row: torch.Tensor, positions: torch.Tensor, window:
     starts = torch.full((count,), row.numel(), dtype=torch.int64).scatter_reduce(0, group, low, "amin")
     ends = torch.zeros(count, dtype=torch.int64).scatter_reduce(0, group, query + 1, "amax")
     lengths = ends - starts
-    return torch.repeat_interleave(starts - (torch.cumsum(lengths, 0) - lengths), lengths) + torch.arange(
+    return torch.repeat_interleave(starts - (torch.cumsum(lengths, 0) - lengths), lengths) + arange(
         int(lengths.sum()))
 
 
@@ -94,9 +94,10 @@ def _expand_runs(runs: torch.Tensor) -> torch.Tensor:
 class RankTransfer:
     """One rank's share of an :class:`ExchangePlan`: every number its exchange needs (host side).
 
-    The plan holds every rank's transfer, but only as runs (``[k, 2]`` rows of ``(start, length)``): the
-    per-row tensors :attr:`send_index` and :attr:`buffer_positions` are expanded on first use, so a rank
-    pays per-token work only for its own transfer.
+    The plan holds every rank's transfer, but only as runs (``[k, 2]`` rows of ``(start, length)``), cut out of
+    the plan's shared table of moves on first use (:attr:`send_runs`, :attr:`recv_runs`); the per-row tensors
+    :attr:`send_index` and :attr:`buffer_positions` are expanded from them on first use, so a rank pays
+    per-token work only for its own transfer, and per-rank work only for the ranks it asks about.
 
     Attributes:
         rank: the rank these numbers are for.
@@ -105,9 +106,10 @@ class RankTransfer:
         recv_rows: rows received per layer and placed before the local rows (all-gather:
             ``(P - 1) * L``).
         need: exact number of remote rows the rank's queries need (whatever the strategy moves).
+        placement: the plan's placement (:attr:`own_positions`: this rank's ``[L]`` positions in it).
+        moves: the plan's table of moved runs (``None`` when nothing moves run by run: none, all-gather).
         send_runs: ``[k, 2]`` int64 ``(first local row, rows)`` sent, grouped by destination.
         recv_runs: ``[m, 2]`` int64 ``(first global position, rows)`` received, grouped by source.
-        placement: the plan's placement (:attr:`own_positions`: this rank's ``[L]`` positions in it).
         send_index: ``[sum(send_splits)]`` int64 local rows sent, grouped by destination (CPU).
         buffer_positions: ``[R + L]`` (all-gather ``[P * L]``) int64 global position of every row of
             the rank's K/V buffer after the exchange.
@@ -119,18 +121,29 @@ class RankTransfer:
     recv_splits: tuple[int, ...]
     recv_rows: int
     need: int
-    send_runs: torch.Tensor
-    recv_runs: torch.Tensor
     placement: Placement
+    moves: _Moves | None = None
 
     @property
     def own_positions(self) -> torch.Tensor:
-        """``[L]`` global positions of this rank's own rows (a view of the placement's table)."""
-        return self.placement.index[self.rank]
+        """``[L]`` global positions of this rank's own rows (computed once; its own storage)."""
+        return self._own_positions
+
+    @cached_property
+    def _own_positions(self) -> torch.Tensor:
+        return self.placement.positions(self.rank)
 
     @property
     def rows_sent(self) -> int:
         return sum(self.send_splits)
+
+    @cached_property
+    def send_runs(self) -> torch.Tensor:
+        return torch.zeros((0, 2), dtype=torch.int64) if self.moves is None else self.moves.send_runs(self.rank)
+
+    @cached_property
+    def recv_runs(self) -> torch.Tensor:
+        return torch.zeros((0, 2), dtype=torch.int64) if self.moves is None else self.moves.recv_runs(self.rank)
 
     @cached_property
     def send_index(self) -> torch.Tensor:
@@ -240,21 +253,18 @@ def plan_exchange(doc_ids: torch.Tensor, *, cp_size: int, config: BlockDiagCPCon
     else:
         strategy = Strategy(requested)
     need = counts.sum(axis=1).tolist()
-    no_runs = torch.zeros((0, 2), dtype=torch.int64)
     transfers = []
     if strategy in (Strategy.NONE, Strategy.ALLGATHER):
         zeros = (0,) * cp_size
         received = (cp_size - 1) * local_len if strategy == Strategy.ALLGATHER else 0
         for rank in range(cp_size):
-            transfers.append(RankTransfer(rank, strategy, zeros, zeros, received, need[rank], no_runs, no_runs,
-                                          placement))
+            transfers.append(RankTransfer(rank, strategy, zeros, zeros, received, need[rank], placement))
     else:
         recv_splits = counts.tolist()
         send_splits = counts.T.tolist()
         for rank in range(cp_size):
             transfers.append(RankTransfer(rank, strategy, tuple(send_splits[rank]), tuple(recv_splits[rank]),
-                                          need[rank], need[rank], moves.send_runs(rank), moves.recv_runs(rank),
-                                          placement))
+                                          need[rank], need[rank], placement, moves))
     return ExchangePlan(placement=placement, window=window, strategy=strategy, halo_valid=halo_valid,
                         transfers=tuple(transfers))
 

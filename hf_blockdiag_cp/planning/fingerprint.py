@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import struct
 from collections.abc import Sequence
@@ -11,9 +12,10 @@ import numpy as np
 import torch
 
 from ..config import KV_EXCHANGES, PLACEMENTS, RECURRENT_LAYOUTS, BlockDiagCPConfig, backend_choices
+from .documents import arange
 
-__all__ = ["PLAN_FIELDS", "PlanFingerprint", "checksum_weights", "describe_plan_field", "fingerprint",
-           "plan_fingerprint", "shard_checksum", "shard_checksums"]
+__all__ = ["PLAN_FIELDS", "PlanFingerprint", "checksum_weights", "data_fingerprint", "describe_plan_field",
+           "fingerprint", "plan_fingerprint", "shard_checksum"]
 
 
 def fingerprint(*parts: bytes | memoryview | np.ndarray) -> int:
@@ -97,7 +99,7 @@ def _placement_hash(placement_rows: Any) -> int:
     runs are the table, in ``O(runs)`` bytes), else of the ``[P, L]`` table's bytes."""
     runs = getattr(placement_rows, "runs", None)
     if runs is not None:
-        shape = repr(tuple(placement_rows.index.shape)).encode()
+        shape = repr((placement_rows.cp_size, placement_rows.local_len)).encode()
         return fingerprint(b"runs", shape, runs.start, runs.length, runs.rank, runs.local_start)
     return fingerprint(placement_rows.to(torch.int64).contiguous().numpy())
 
@@ -133,7 +135,7 @@ def checksum_weights(length: int, device: torch.device | str | None = None) -> t
     A pure function of the position (every rank computes the same ones), distinct for every position below
     ``2**32`` (two tokens swapped anywhere in a shard change the sum), in ``[1, 2**32]``.
     """
-    index = torch.arange(length, device=device, dtype=torch.int64)
+    index = arange(length, device=device)
     # The product may pass 2**63 for i >= 2**32 / 0.62; its low 32 bits are exact whatever the wrap.
     return index.mul_(_WEIGHT_MULTIPLIER).bitwise_and_(_WEIGHT_MASK).add_(1)
 
@@ -148,15 +150,46 @@ def shard_checksum(values: torch.Tensor) -> torch.Tensor:
     arithmetic (wrapping) cut to 62 bits. Returns a 0-d int64 tensor.
     """
     flat = values.reshape(-1).to(torch.int64)
+    if flat.device.type == "cpu":
+        # The host copy (the collator's): one dot product with the cached weights. Integer sums wrap alike in
+        # any order, so the low 62 bits equal the tensor formula's.
+        weights = _row_weights(flat.numel())
+        weighted = int(np.dot(flat.contiguous().numpy(), weights)) + int(weights.sum())
+        return torch.tensor((weighted * 1000003 + flat.numel()) & _CHECKSUM_MASK, dtype=torch.int64)
     total = ((flat + 1) * checksum_weights(flat.numel(), flat.device)).sum() * 1000003 + flat.numel()
     return total.bitwise_and(_CHECKSUM_MASK)
 
 
-def shard_checksums(rows: torch.Tensor) -> list[int]:
-    """:func:`shard_checksum` of every shard ``rows[:, r]`` of ``rows [B, P, L]`` in one vectorised pass."""
-    batch, ranks, local_len = rows.shape
-    weights = checksum_weights(batch * local_len)
-    # sum((v + 1) * w) = sum(v * w) + sum(w): one product pass (wrapping int64 sums are associative).
-    total = (rows.to(torch.int64) * weights.view(batch, 1, local_len)).sum(dim=(0, 2)) + weights.sum()
-    total = total * 1000003 + batch * local_len
-    return total.bitwise_and(_CHECKSUM_MASK).tolist()
+@functools.lru_cache(maxsize=4)
+def _row_weights(length: int) -> np.ndarray:
+    """:func:`checksum_weights` as a read-only numpy array, cached: every step of a run has the same row length
+    (the cache holds the last four lengths, 8 bytes per position: a row's and a shard's)."""
+    weights = checksum_weights(length).numpy()
+    weights.flags.writeable = False
+    return weights
+
+
+def data_fingerprint(doc_ids: torch.Tensor, input_ids: torch.Tensor | None = None) -> int:
+    """The fingerprint of a step's rows that CP ranks compare: rows ``doc_ids [B, S]`` (CPU integers) as runs, and
+    ``input_ids [B, S]`` (CPU int64, optional) by a position-weighted sum.
+
+    Ranks with different document layouts (any id or boundary differs) disagree as surely as a 62-bit hash
+    can tell; ranks with the same layout and different tokens disagree whenever the two rows' weighted sums
+    differ: always for one changed token (its weight is odd-multiplied, non-zero and below ``2**33``, the
+    change below ``2**30``), and for several changes unless ``sum(delta_i * w_i)`` vanishes modulo ``2**64``.
+    Costs one comparison pass over the ids and one multiply-add pass over the tokens (the weights are cached),
+    instead of hashing every byte of the rows.
+    """
+    batch, length = doc_ids.shape
+    ids = doc_ids.reshape(-1).numpy()
+    fresh = np.ones(ids.size, dtype=bool)
+    if ids.size:
+        fresh[1:] = ids[1:] != ids[:-1]
+        fresh[::length] = True  # every batch row starts a run
+    starts = np.flatnonzero(fresh)
+    parts = [b"doc_runs", repr((batch, length)).encode(), starts.astype(np.int64), ids[starts].astype(np.int64)]
+    if input_ids is not None:
+        tokens = input_ids.reshape(-1).to(torch.int64).contiguous().numpy()
+        # An int64 dot product wraps like the sum it stands for (numpy's integer dot has no overflow check).
+        parts += [b"tokens", np.dot(tokens, _row_weights(tokens.size)).astype(np.int64).tobytes()]
+    return fingerprint(*parts)

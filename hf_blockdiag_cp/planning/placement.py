@@ -32,7 +32,7 @@ import numpy as np
 import torch
 
 from ..config import PLACEMENTS
-from .documents import document_spans, run_starts
+from .documents import arange, document_spans, run_starts
 from .varlen import PlanError, QueryPiece
 
 __all__ = [
@@ -74,27 +74,66 @@ class Placement:
         kind: the name of the scheme that made it (one of :data:`PLACEMENTS`).
         index: ``[P, L]`` int64; ``index[r]`` are rank ``r``'s global positions in ascending order
             (its ``local_index``). Together the rows are a permutation of ``[0, S)``.
+
+    A placement made from its runs (:meth:`from_runs`, what the balanced placement returns) builds ``index`` on
+    first use: planning one rank (:meth:`positions`, :meth:`pieces`, :attr:`runs`) needs only the runs, so a
+    step pays no row-long table, and a pickled context carries none, unless something asks for it.
     """
 
     kind: str
     index: torch.Tensor
 
+    @classmethod
+    def from_runs(cls, kind: str, runs: PlacementRuns, cp_size: int, local_len: int) -> Placement:
+        """The placement whose runs are ``runs`` (``P = cp_size`` ranks of ``local_len`` positions each)."""
+        placement = cls.__new__(cls)
+        object.__setattr__(placement, "kind", kind)
+        placement.__dict__["runs"] = runs
+        placement.__dict__["_shape"] = (cp_size, local_len)
+        return placement
+
+    def __getattr__(self, name: str) -> torch.Tensor:
+        # Only reached for attributes not set: ``index`` of a placement made from runs, built once.
+        shape = self.__dict__.get("_shape")
+        if name != "index" or shape is None:
+            raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+        index = _table_of_runs(self.__dict__["runs"], *shape)
+        self.__dict__["index"] = index
+        return index
+
+    @property
+    def _dims(self) -> tuple[int, int]:
+        shape = self.__dict__.get("_shape")
+        return shape if shape is not None else tuple(self.index.shape)
+
     @property
     def cp_size(self) -> int:
-        return self.index.shape[0]
+        return self._dims[0]
 
     @property
     def local_len(self) -> int:
-        return self.index.shape[1]
+        return self._dims[1]
 
     @property
     def full_len(self) -> int:
-        return self.index.numel()
+        return self._dims[0] * self._dims[1]
+
+    def positions(self, rank: int) -> torch.Tensor:
+        """``[L]`` int64 global positions of rank ``rank`` (ascending; a tensor of its own): from the runs when
+        the table is not built, ``O(L)``."""
+        index = self.__dict__.get("index")
+        if index is not None:
+            return index[rank].clone()
+        runs = self.runs
+        mine = runs.rank == rank  # in start order = local row order (a rank's positions ascend)
+        start, length = runs.start[mine], runs.length[mine]
+        return torch.from_numpy(np.repeat(start - (np.cumsum(length) - length), length)
+                                + np.arange(int(length.sum()), dtype=np.int64))
 
     @property
     def is_contiguous(self) -> bool:
         """Whether rank ``r`` holds exactly ``[r*L, (r+1)*L)``."""
-        return bool(torch.equal(self.index.flatten(), torch.arange(self.full_len)))
+        return bool(torch.equal(self.index.flatten(), arange(self.full_len)))
 
     @cached_property
     def runs(self) -> PlacementRuns:
@@ -124,6 +163,11 @@ class Placement:
 
     def pieces(self, rank: int) -> list[QueryPiece]:
         """Rank ``rank``'s local rows as runs of consecutive global positions (batch row 0)."""
+        if "index" not in self.__dict__:  # the runs are these pieces (maximal, in local row order)
+            runs = self.runs
+            mine = runs.rank == rank
+            return [QueryPiece(0, a, g, n) for a, g, n in zip(runs.local_start[mine].tolist(),
+                                                               runs.start[mine].tolist(), runs.length[mine].tolist())]
         positions = self.index[rank]
         breaks = torch.nonzero(positions[1:] != positions[:-1] + 1).flatten() + 1
         starts = [0, *breaks.tolist()]
@@ -145,7 +189,7 @@ class Placement:
 
 def contiguous_placement(full_len: int, cp_size: int) -> Placement:
     """Rank ``r`` holds ``[r*L, (r+1)*L)``."""
-    return Placement("contiguous", torch.arange(full_len, dtype=torch.int64).view(cp_size, full_len // cp_size))
+    return Placement("contiguous", arange(full_len).view(cp_size, full_len // cp_size))
 
 
 def zigzag_placement(full_len: int, cp_size: int) -> Placement:
@@ -153,7 +197,7 @@ def zigzag_placement(full_len: int, cp_size: int) -> Placement:
     if full_len % (2 * cp_size):
         raise PlanError(f"placement='zigzag' needs the row length S={full_len} divisible by 2 * cp_size = "
                         f"{2 * cp_size}; use a seq_len that is, or another placement")
-    chunks = torch.arange(full_len, dtype=torch.int64).view(2 * cp_size, -1)
+    chunks = arange(full_len).view(2 * cp_size, -1)
     return Placement("zigzag", torch.cat([chunks[:cp_size], chunks.flip(0)[:cp_size]], dim=1))
 
 
@@ -209,7 +253,7 @@ def _rank_work_tokens(doc_ids_row: torch.Tensor, placement: Placement, windows: 
                       ) -> torch.Tensor:
     """:func:`rank_work` token by token (any number of windows)."""
     row = doc_ids_row.to(torch.int64)
-    offset = (torch.arange(row.numel()) - run_starts(row)).to(torch.float64)
+    offset = (arange(row.numel()) - run_starts(row)).to(torch.float64)
     per_token = torch.zeros_like(offset)
     for window in windows:
         per_token += offset + 1 if window is None else torch.clamp(offset + 1, max=window)
@@ -279,7 +323,7 @@ def balanced_placement(doc_ids_row: torch.Tensor, cp_size: int, *, tolerance: fl
     spans = document_spans(row)
     parts = [max(1, math.ceil((end - start) / local_len)) for start, end in spans]
     best: tuple[float, list[list[_Item]], list[int]] | None = None
-    cache: dict[tuple[int, int], list[_Item]] = {}  # items are never modified: rounds share them
+    cache: dict[tuple[int, int], list[tuple]] = {}  # items are never modified: rounds share them
     for _ in range(max_rounds + 1):
         placed, load, room, spilled = _assign(spans, parts, cp_size, local_len, windows, cache=cache)
         _improve(placed, load, room)
@@ -342,22 +386,35 @@ def _placement_of_ranges(ranges: list[list[tuple[int, int]]], room: list[int], s
         lengths.extend(b - a for a, b in pieces)
     start = np.asarray(starts, dtype=np.int64)
     length = np.asarray(lengths, dtype=np.int64)
-    row_start = np.cumsum(length) - length  # flat [P * L] row of each piece, rank-major
-    index = np.repeat(start - row_start, length) + np.arange(full_len, dtype=np.int64)
-    placement = Placement("balanced", torch.from_numpy(index).view(cp_size, local_len))
-    # Its runs are known here (the pieces, merged where one continues the previous on the same rank): set the
-    # cached property, so no pass over ``index`` recomputes them.
     keep = length > 0
-    start, length, row_start = start[keep], length[keep], row_start[keep]
+    start, length = start[keep], length[keep]
+    row_start = np.cumsum(length) - length  # flat [P * L] row of each piece, rank-major
+    # The runs are the pieces, merged where one continues the previous on the same rank; the [P, L] table is
+    # built from them only if asked for.
     rank = row_start // max(local_len, 1)
     fresh = np.ones(start.size, dtype=bool)
     fresh[1:] = (start[1:] != start[:-1] + length[:-1]) | (rank[1:] != rank[:-1])
     first = np.flatnonzero(fresh)
     merged = np.add.reduceat(length, first) if first.size else length[first]
     order = np.argsort(start[first], kind="stable")
-    placement.__dict__["runs"] = PlacementRuns(start[first][order], merged[order].astype(np.int64),
-                                                rank[first][order], (row_start[first] % max(local_len, 1))[order])
-    return placement
+    runs = PlacementRuns(start[first][order], merged[order].astype(np.int64), rank[first][order],
+                         (row_start[first] % max(local_len, 1))[order])
+    return Placement.from_runs("balanced", runs, cp_size, local_len)
+
+
+def _table_of_runs(runs: PlacementRuns, cp_size: int, local_len: int) -> torch.Tensor:
+    """The ``[P, L]`` table of a placement given as runs."""
+    order = np.argsort(runs.rank * local_len + runs.local_start, kind="stable")  # rank-major, local row order
+    start, length = runs.start[order], runs.length[order]
+    row_start = np.cumsum(length) - length
+    # A running sum: +1 per row, and at each run's first row the jump from the previous run's last position to
+    # this run's start. One row-long array, written twice (fresh row-long arrays cost page faults on top of
+    # their writes).
+    index = np.ones(cp_size * local_len, dtype=np.int64)
+    if start.size:
+        index[row_start] = np.append(start[0], start[1:] - (start[:-1] + length[:-1] - 1))
+    np.cumsum(index, out=index)
+    return torch.from_numpy(index).view(cp_size, local_len)
 
 
 def _cheapest_split(docs: list[int], excess: float, spans: list[tuple[int, int]], parts: list[int],
@@ -380,19 +437,21 @@ def _cheapest_split(docs: list[int], excess: float, spans: list[tuple[int, int]]
 
 
 def _assign(spans: list[tuple[int, int]], parts: list[int], cp_size: int, local_len: int,
-            windows: Sequence[int | None], cache: dict[tuple[int, int], list[_Item]] | None = None
+            windows: Sequence[int | None], cache: dict[tuple[int, int], list[tuple]] | None = None
             ) -> tuple[list[list[_Item]], list[float], list[int], list[int]]:
     """One placement round: ``(items per rank heaviest first, work per rank, room left per rank,
     documents cut because their piece fit no rank)``."""
-    items: list[_Item] = []
+    keyed: list[tuple[float, int, int, int, _Item]] = []
     cache = {} if cache is None else cache  # (doc, parts) -> its items: rounds change few documents' parts
     for doc, (start, end) in enumerate(spans):
         made = cache.get((doc, parts[doc]))
         if made is None:
             made = cache[doc, parts[doc]] = ([_item(doc, start, [(start, end)], windows)] if parts[doc] == 1 else
                                              _head_tail_items(doc, start, end - start, parts[doc], windows))
-        items.extend(made)
-    items.sort(key=lambda it: (-it.work, -it.tokens))
+            made[:] = [(-it.work, -it.tokens, doc, j, it) for j, it in enumerate(made)]
+        keyed.extend(made)
+    # Heaviest first, ties in document order (a stable sort by (-work, -tokens)): the cached tuples sort in C.
+    keyed.sort()
     load = [0.0] * cp_size
     room = [local_len] * cp_size
     placed: list[list[_Item]] = [[] for _ in range(cp_size)]
@@ -402,16 +461,22 @@ def _assign(spans: list[tuple[int, int]], parts: list[int], cp_size: int, local_
     # out and one in per item), so the scan stops at the first fitting rank, skipping only nearly full ones.
     order = [(0.0, -local_len, r) for r in range(cp_size)]
     ranks_of: dict[int, list[int]] = {}
-    for item in items:
-        tokens, rank, first_fit = item.tokens, None, None
-        holding = ranks_of.get(item.doc, ())
-        if tokens == 0:  # fits a full rank too (not in ``order``): look at every rank
+    bisect_left, insort = bisect.bisect_left, bisect.insort
+    for _, neg_tokens, doc, _, item in keyed:
+        rank = None
+        holding = ranks_of.get(doc, ())
+        if neg_tokens == 0:  # fits a full rank too (not in ``order``): look at every rank
             fits = [r for r in range(cp_size) if r not in holding] or list(range(cp_size))
             rank = min(fits, key=lambda r: (load[r], -room[r]))
-        else:
-            least = -tokens  # entries carry -room: a rank fits when -room <= -tokens
+        elif not holding:  # entries carry -room: a rank fits when -room <= -tokens
             for _, neg_room, r in order:
-                if neg_room <= least:
+                if neg_room <= neg_tokens:
+                    rank = r
+                    break
+        else:
+            first_fit = None
+            for _, neg_room, r in order:
+                if neg_room <= neg_tokens:
                     if r not in holding:
                         rank = r
                         break
@@ -420,18 +485,23 @@ def _assign(spans: list[tuple[int, int]], parts: list[int], cp_size: int, local_
             if rank is None:
                 rank = first_fit
         if rank is None:
-            _spill(item, spans[item.doc][0], windows, load, room, placed)
-            spilled.append(item.doc)
+            _spill(item, spans[doc][0], windows, load, room, placed)
+            spilled.append(doc)
             order = sorted((load[r], -room[r], r) for r in range(cp_size) if room[r] > 0)
             continue
-        if room[rank] > 0:
-            del order[bisect.bisect_left(order, (load[rank], -room[rank], rank))]
+        left = room[rank]
+        if left > 0:
+            del order[bisect_left(order, (load[rank], -left, rank))]
         placed[rank].append(item)
-        ranks_of.setdefault(item.doc, []).append(rank)
+        if holding:
+            holding.append(rank)
+        else:
+            ranks_of[doc] = [rank]
         load[rank] += item.work
-        room[rank] -= item.tokens
-        if room[rank] > 0:  # a full rank fits nothing more (every other item holds a token)
-            bisect.insort(order, (load[rank], -room[rank], rank))
+        left += neg_tokens
+        room[rank] = left
+        if left > 0:  # a full rank fits nothing more (every other item holds a token)
+            insort(order, (load[rank], -left, rank))
     return placed, load, room, spilled
 
 
@@ -444,35 +514,49 @@ def _improve(placed: list[list[_Item]], load: list[float], room: list[int], *, s
     Every candidate of a step (item ``i`` of the most loaded rank, rank ``r``, a move or a swap with item ``j``)
     is scored in one vectorised pass; the first best in ``(i, r, move, j)`` order wins, as in a loop over them."""
     cp_size = len(load)
-    works = np.full((cp_size, width), np.inf)
-    tokens = np.zeros((cp_size, width), dtype=np.int64)
+    # The table has as many slots as the fullest rank has items (up to ``width``): slots past a rank's items hold
+    # infinite work (never a candidate), so narrower tables score the same candidates; ``refresh`` widens it.
+    slots = min(width, max(len(items) for items in placed))
+    works = np.full((cp_size, slots), np.inf)
+    tokens = np.zeros((cp_size, slots), dtype=np.int64)
+    # Filled in one assignment: every item's work and tokens at (its rank, its slot).
+    counts = np.fromiter((min(len(items), slots) for items in placed), dtype=np.int64, count=cp_size)
+    rank_of = np.repeat(np.arange(cp_size), counts)
+    slot_of = np.arange(rank_of.size) - np.repeat(np.cumsum(counts) - counts, counts)
+    works[rank_of, slot_of] = [it.work for items in placed for it in items[:slots]]
+    tokens[rank_of, slot_of] = [it.tokens for items in placed for it in items[:slots]]
 
     def refresh(rank: int) -> None:
+        nonlocal works, tokens
         top = placed[rank][:width]
+        if len(top) > works.shape[1]:
+            grow = len(top) - works.shape[1]
+            works = np.pad(works, ((0, 0), (0, grow)), constant_values=np.inf)
+            tokens = np.pad(tokens, ((0, 0), (0, grow)))
         works[rank] = np.inf
         works[rank, :len(top)] = [it.work for it in top]
         tokens[rank, :len(top)] = [it.tokens for it in top]
 
-    for rank in range(cp_size):
-        refresh(rank)
+    # numpy copies of ``load`` / ``room``, updated with the same float operations on every move.
+    loads, rooms = np.asarray(load, dtype=np.float64), np.asarray(room, dtype=np.int64)
     for _ in range(steps):
-        worst = max(range(cp_size), key=lambda r: load[r])
+        worst = int(np.argmax(loads))  # the first most loaded rank, as max() over the list
         count = min(len(placed[worst]), width)
         if count == 0:
             return
         peak_load = load[worst]
-        loads, rooms = np.asarray(load), np.asarray(room, dtype=np.int64)
         a_work, a_tokens = works[worst, :count, None], tokens[worst, :count, None]  # [i, 1]
-        other = np.arange(cp_size) != worst
         # Moves [i, r]: item i of the worst rank to rank r.
         move = np.maximum(peak_load - a_work, loads + a_work)
-        move = np.where(other & (rooms >= a_tokens) & (move < peak_load), move, np.inf)
+        move = np.where((rooms >= a_tokens) & (move < peak_load), move, np.inf)
+        move[:, worst] = np.inf
         # Swaps [i, r, j]: item i for item j of rank r (a padded slot has infinite work: never lighter).
         a_work3, a_tokens3 = a_work[:, :, None], a_tokens[:, :, None]
         swap = np.maximum(peak_load - a_work3 + works, loads[:, None] + a_work3 - works)
-        fits = ((works < a_work3) & (rooms[:, None] + tokens >= a_tokens3)
-                & (room[worst] + a_tokens3 >= tokens) & other[:, None])
-        swap = np.where(fits & (swap < peak_load), swap, np.inf)
+        fits = ((works < a_work3) & (rooms[:, None] + tokens >= a_tokens3) & (room[worst] + a_tokens3 >= tokens)
+                & (swap < peak_load))
+        swap = np.where(fits, swap, np.inf)
+        swap[:, worst] = np.inf
         scores = np.concatenate([move[:, :, None], swap], axis=2)  # [i, r, 1 + width]: the loop's order
         flat = int(np.argmin(scores))
         if scores.flat[flat] == np.inf:
@@ -487,6 +571,10 @@ def _improve(placed: list[list[_Item]], load: list[float], room: list[int], *, s
             load[dst] += item.work
             room[src] += item.tokens
             room[dst] -= item.tokens
+            loads[src] -= item.work
+            loads[dst] += item.work
+            rooms[src] += item.tokens
+            rooms[dst] -= item.tokens
         for r_ in (worst, r):
             placed[r_].sort(key=lambda it: -it.work)
             refresh(r_)

@@ -25,10 +25,11 @@ import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from ..errors import PlanError
-from .documents import as_doc_ids, document_spans
+from .documents import arange, as_doc_ids, document_spans
 
 __all__ = ["PlanError", "QueryPiece", "Segment", "VarlenPlan", "build_varlen_plan", "plan_from_segments"]
 
@@ -154,7 +155,7 @@ def _concat_ranges(starts: list[int], lens: list[int]) -> torch.Tensor:
     starts_t = torch.tensor(starts, dtype=torch.int64)
     lens_t = torch.tensor(lens, dtype=torch.int64)
     offsets = torch.cumsum(lens_t, 0) - lens_t
-    return torch.repeat_interleave(starts_t - offsets, lens_t) + torch.arange(int(lens_t.sum()))
+    return torch.repeat_interleave(starts_t - offsets, lens_t) + arange(int(lens_t.sum()))
 
 
 def plan_from_segments(segments: Sequence[Segment], *, batch_size: int, q_rows: int, kv_rows: int,
@@ -180,9 +181,9 @@ def plan_from_segments(segments: Sequence[Segment], *, batch_size: int, q_rows: 
     k_offset = segs[0].k_start if (segs and k_contiguous) else 0
     k_index = None if k_contiguous else _concat_ranges([s.k_start for s in segs], k_lens)
     if kv_order is not None and segs:
-        rows = kv_order[torch.arange(k_offset, k_offset + host_cu_k[-1]) if k_index is None else k_index]
+        rows = kv_order[arange(k_offset, k_offset + host_cu_k[-1]) if k_index is None else k_index]
         # Still one slice of the buffer (e.g. contiguous placement: received rows precede own rows).
-        k_contiguous = bool(torch.equal(rows, torch.arange(int(rows[0]), int(rows[0]) + rows.numel())))
+        k_contiguous = bool(torch.equal(rows, arange(int(rows[0]), int(rows[0]) + rows.numel())))
         k_index, k_offset = (None, int(rows[0])) if k_contiguous else (rows, 0)
     plan = VarlenPlan(
         batch_size=batch_size,
@@ -239,7 +240,12 @@ def build_varlen_plan(doc_ids: torch.Tensor | Sequence[int], *, local_len: int |
     if kv_positions is not None:
         if num_rows != 1 or kv_ranges is not None:
             raise PlanError("kv_positions describes the buffer of one row (B=1) and replaces kv_ranges")
-        ordered, kv_order = torch.sort(kv_positions.to(torch.int64))
+        positions = kv_positions.detach().to("cpu", torch.int64).numpy()
+        # A stable sort (numpy's merges presorted runs): an exchange's buffer is a few sorted runs (one per
+        # source, then the own rows), several times faster than a general sort; positions are distinct, so any
+        # sort gives this order.
+        order = np.argsort(positions, kind="stable")
+        ordered, kv_order = torch.from_numpy(positions[order]), torch.from_numpy(order)
         if ordered.numel() and (bool((ordered[1:] == ordered[:-1]).any()) or int(ordered[0]) < 0
                                 or int(ordered[-1]) >= full_len):
             raise PlanError(f"kv_positions must be distinct positions in [0, {full_len})")

@@ -308,3 +308,20 @@ def test_from_flattened_keeps_separator_labels_and_validates():
         from_flattened(hf, cp_size=2, cp_rank=3)
     with pytest.raises(ValueError, match="cu_seq_lens_k ends at 3, but the row has 4 tokens"):
         from_flattened({"input_ids": [[1, 2, 3, 4]], "cu_seq_lens_k": [0, 3]})
+
+
+@pytest.mark.parametrize("cp_size", [1, 2])
+def test_batches_do_not_share_the_collators_row_buffers(cp_size):
+    """The collator writes each row into buffers it reuses from call to call: a batch and its context hold
+    copies, which the next call leaves as they were."""
+    collator = PackingCollator(64, cp_size=cp_size, cp_rank=cp_size - 1, pad_token_id=0)
+    first = collator([{"input_ids": list(range(1, 20))}, {"input_ids": list(range(5, 30)), "labels": [-100] * 25}])
+    tensors = {k: v.clone() for k, v in first.items() if isinstance(v, torch.Tensor)}
+    ctx = first["cp_context"]
+    kept = (ctx.doc_ids.clone(), ctx.local_position_ids.clone(), ctx.local_index.clone())
+    second = collator([{"input_ids": list(range(40, 90))}, {"input_ids": [7] * 9}])
+    assert not torch.equal(second["input_ids"], first["input_ids"])
+    for key, value in tensors.items():
+        assert torch.equal(first[key], value), key
+    for now, before in zip((ctx.doc_ids, ctx.local_position_ids, ctx.local_index), kept):
+        assert torch.equal(now, before)

@@ -108,8 +108,8 @@ def test_context_plans_equal_those_built_on_the_reference_exchange(case, kind, w
     positions = torch.arange(row.numel())[None]
     ctx = BlockDiagCPContext.build(row, cp_rank=rank, cp_size=cp_size, placement=kind, sliding_windows=windows,
                                    input_ids=ids, position_ids=positions)
-    for r, index in enumerate(ctx.placement.index):
-        assert ctx.shard_checksums[r] == (int(shard_checksum(ids[:, index])), int(shard_checksum(positions[:, index])))
+    index = ctx.placement.index[rank]
+    assert ctx.shard_checksum == (int(shard_checksum(ids[:, index])), int(shard_checksum(positions[:, index])))
     for window in (None, *[w for w in windows if w is not None]):
         plan, exchange = ctx.plans_for(window)
         _, counts, _ = reference_exchange(row, ctx.placement, window)
@@ -141,6 +141,16 @@ def test_layout_exchanges_equal_the_token_reference(case, ulysses_size, windows)
 def test_checksum_equals_the_python_reference(values):
     t = torch.tensor(values, dtype=torch.int64)
     assert int(shard_checksum(t)) == reference_shard_checksum(t)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.integers(-2**63, 2**63 - 1), min_size=1, max_size=300))
+def test_host_checksum_equals_the_tensor_formula_a_device_runs(values):
+    """The collator's host checksum (a numpy dot with cached weights) = the tensor formula a forward runs on its
+    device, also where the int64 sums wrap."""
+    t = torch.tensor(values, dtype=torch.int64)
+    formula = (((t + 1) * checksum_weights(t.numel())).sum() * 1000003 + t.numel()).bitwise_and((1 << 62) - 1)
+    assert int(shard_checksum(t)) == int(formula)
 
 
 def test_checksum_weights_do_not_repeat_within_a_row():
