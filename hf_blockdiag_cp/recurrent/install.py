@@ -26,7 +26,9 @@ import torch
 
 from ..errors import UnsupportedModel
 from .fragment_call import bind, call_fragment, time_axis
+from .backend import call_backend, op_refusal
 from .functions import COMPOSITES, FUSED, SCANS, WINDOWED, ScanFunction, mixer_functions
+from .op_call import known_arguments, run_ops
 from .runs import LocalRuns
 from .state_passing import run_cp, run_window
 
@@ -141,7 +143,9 @@ def run_fragments(spec: ScanFunction, original: Callable, runs: LocalRuns, args:
                   kwargs: dict[str, Any]) -> Any:
     """Run the model's own function once per fragment, each from a zero state (CP = 1), and reassemble the rows.
 
-    Under CP the fragments that continue a document get their incoming state from :mod:`.state_passing`.
+    Under CP the fragments that continue a document get their incoming state from :mod:`.state_passing`. When the
+    forward's recurrent backend (:mod:`.backend`) picks an op and the op can express the call, the op runs instead,
+    once over all fragments (:mod:`.op_call`).
     """
     named = bind(spec, args, kwargs)
     for key in _PACKING_KEYWORDS:
@@ -154,6 +158,9 @@ def run_fragments(spec: ScanFunction, original: Callable, runs: LocalRuns, args:
     if lead.shape[0] != runs.batch_size or length != runs.local_len:
         raise ValueError(f"{spec.name} got rows [B={lead.shape[0]}, T={length}] but this forward's packed batch has "
                          f"[B={runs.batch_size}, L={runs.local_len}]")
+    backend = call_backend(runs.backend, spec.kind, lead.device)
+    if backend != "model" and op_refusal(spec.kind, named, known_arguments(spec)) is None:
+        return run_ops(spec, backend, runs, named)
     if runs.cp_size > 1:
         return run_cp(spec, original, runs, named)
     want_state = bool(named.get(spec.state_flag)) if spec.state_flag else False
