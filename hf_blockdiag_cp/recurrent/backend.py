@@ -34,10 +34,11 @@ __all__ = ["AUTO_ON_CPU", "LIBRARY_KINDS", "SEMANTIC_KEYWORDS", "agreement_code"
            "op_refusal"]
 
 #: ``"auto"`` on CPU, per mixer kind (:attr:`~.functions.ScanFunction.kind`): measured by
-#: ``benchmarks/bench_recurrent_layers.py`` (docs/benchmarks.md): the chunked ops are faster for the delta rules,
-#: SSD and Mamba1; for the short convolution, the model's per-fragment call is faster than the op's boundary step.
+#: ``benchmarks/bench_recurrent_layers.py`` (docs/benchmarks.md): the chunked ops are faster than the model's
+#: function per fragment for the delta rules, KDA and Mamba1, as fast for SSD and the short convolution, and under CP
+#: they run each fragment once where the model path reruns continuing fragments.
 AUTO_ON_CPU: dict[str, str] = {"delta": "torch", "kda": "torch", "ssd": "torch", "selective": "torch",
-                               "conv": "model"}
+                               "conv": "torch"}
 #: The kinds each library adapter covers (the rest run the torch op under that request).
 LIBRARY_KINDS: dict[str, frozenset[str]] = {"fla": frozenset({"delta", "kda", "conv"}),
                                             "mamba_ssm": frozenset({"ssd", "selective", "conv"})}

@@ -71,6 +71,15 @@ def test_resolution_per_kind_on_cpu():
         assert call_backend(("fla", 0), kind, CPU) == "torch"
         assert call_backend(("mamba_ssm", 0), kind, CPU) == "torch"
     assert call_backend(("auto", 0), "a_future_kind", CPU) == "model"
+    # on CUDA (resolution is pure: no device needed): a library where the agreed mask says it imports, else torch
+    cuda, fla, mamba, conv = torch.device("cuda"), 1, 2, 4  # bits of fla, mamba_ssm, causal_conv1d
+    assert call_backend(("auto", fla | mamba | conv), "delta", cuda) == "fla"
+    assert call_backend(("auto", fla | mamba | conv), "ssd", cuda) == "mamba_ssm"
+    assert call_backend(("auto", fla), "conv", cuda) == "torch"  # no causal-conv1d
+    assert call_backend(("fla", fla | mamba | conv), "ssd", cuda) == "torch"  # fla covers no SSD
+    assert call_backend(("mamba_ssm", mamba | conv), "conv", cuda) == "mamba_ssm"
+    assert call_backend(("auto", 0), "kda", cuda) == "torch"
+    assert call_backend(("model", fla), "delta", cuda) == "model"
     # the agreement code separates requests (and libraries): ranks asking differently never match
     codes = {agreement_code(r, CPU) for r in ("auto", "model", "torch", "fla", "mamba_ssm")}
     assert len(codes) == 5
