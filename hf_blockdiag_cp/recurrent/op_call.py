@@ -184,6 +184,82 @@ def run_ops(spec: ScanFunction, backend: str, runs: LocalRuns, named: dict[str, 
     return (out, final) if want_state else out
 
 
+def _augmented_pass(spec: ScanFunction, backend: str, named: dict[str, Any], t: dict[str, torch.Tensor],
+                    lens: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Delta rule / KDA fragments that continue AND send, in one zero-state pass that also yields what the incoming
+    state will add: the values get ``Dk`` zero columns and the initial state is ``[0 | I]``, so (the state map being
+    linear) the extra state columns evolve as the transition ``M`` and the extra output columns are ``Q_t = M_t^T
+    q_t`` (scaled), with ``o_t(S_in) = o_t(0) + S_in^T Q_t``. Returns (``o(0)`` [1, T, H, Dv] fp32, ``Q`` [1, T, H,
+    Dk], end states from zero [n, H, Dk, Dv], ``M`` [n, H, Dk, Dk])."""
+    v = t["value"]
+    dk, dv, heads = t["key"].shape[-1], v.shape[-1], v.shape[2]
+    aug = {**t, "query": t["query"].float(), "value": torch.cat([v.float(), v.new_zeros(*v.shape[:3], dk).float()], -1)}
+    eye = torch.eye(dk, dtype=torch.float32, device=v.device).expand(len(lens), heads, dk, dk)
+    init = torch.cat([eye.new_zeros(len(lens), heads, dk, dv), eye], -1)
+    out, final = _call(spec, backend, named, aug, lens, init, True)
+    return out[..., :dv], out[..., dv:], final[..., :dv], final[..., dv:]
+
+
+def _scan_cp(spec: ScanFunction, backend: str, runs: LocalRuns, named: dict[str, Any], row: _Row, frags: list,
+             width: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The scans under CP (see the module docstring): ``(out [1, T*, ...] in local order, gathered summaries)``."""
+    plan, rank = runs.plan, runs.context.cp_rank
+    sending = plan.send[rank]
+    device = row.tensors[_TIME[spec.kind][0][0]].device
+    send_pos = {i: s for s, i in enumerate(sending)}
+    sources = plan.sources[rank]
+    delta = spec.kind in ("delta", "kda")
+    # delta rule / KDA: continuing senders run once, augmented (no transition pass, no rerun)
+    augmented = [i for i, f in enumerate(frags) if f.continues and i in send_pos] if delta else []
+    first_pass = [i for i, f in enumerate(frags) if (not f.continues or i in send_pos) and i not in augmented]
+    later = [i for i in sorted(sources) if i not in augmented]
+    pieces: dict[int, torch.Tensor] = {}  # fragment -> its final output [1, n, ...]
+    summaries: list[torch.Tensor | None] = [None] * len(sending)
+
+    def summarise(i: int, end: torch.Tensor, transition: torch.Tensor | None) -> None:
+        state = end.float().flatten()
+        tail = transition.float().flatten() if transition is not None else state.new_zeros(width - state.numel())
+        summaries[send_pos[i]] = torch.cat([state, tail])
+
+    def index(sel: list[int]) -> torch.Tensor | None:
+        return None if sel == list(range(len(frags))) else _tokens([frags[i] for i in sel], row.length, device)
+
+    if first_pass:
+        lens = [frags[i].length for i in first_pass]
+        want = any(i in send_pos for i in first_pass)
+        out, end = _call(spec, backend, named, _select(row.tensors, index(first_pass)), lens, None, want)
+        continuing = [i for i in first_pass if frags[i].continues]
+        transitions = {}
+        if continuing:  # Mamba2 / Mamba1 continuing senders: their decay (cheap), then a rerun below
+            t = _select(row.tensors, index(continuing))
+            m = _transition(spec, named, t, [frags[i].length for i in continuing])
+            transitions = {i: m[j] for j, i in enumerate(continuing)}
+        for j, (i, piece) in enumerate(zip(first_pass, out.split(lens, dim=1))):
+            if not frags[i].continues:
+                pieces[i] = piece
+            if i in send_pos:
+                summarise(i, end[j], transitions.get(i))
+    corrections = {}
+    if augmented:
+        lens = [frags[i].length for i in augmented]
+        o0, q_read, end, m = _augmented_pass(spec, backend, named, _select(row.tensors, index(augmented)), lens)
+        for j, (i, o_i, q_i) in enumerate(zip(augmented, o0.split(lens, dim=1), q_read.split(lens, dim=1))):
+            summarise(i, end[j], m[j])
+            corrections[i] = (o_i, q_i)
+    gathered = gather_summaries(runs, summaries, width, device)
+    out_dtype = named["query"].dtype if delta else None
+    for i, (o_i, q_i) in corrections.items():
+        state = compose(spec, named, [gathered[r * plan.slots + s] for r, s in sources[i]])[0]  # [H, Dk, Dv]
+        pieces[i] = (o_i + torch.einsum("bthk,hkv->bthv", q_i, state)).to(out_dtype)
+    if later:
+        states = [compose(spec, named, [gathered[r * plan.slots + s] for r, s in sources[i]])[0] for i in later]
+        lens = [frags[i].length for i in later]
+        out, _ = _call(spec, backend, named, _select(row.tensors, index(later)), lens, torch.stack(states), False)
+        pieces.update(zip(later, out.split(lens, dim=1)))
+    ordered = [pieces[i] for i in range(len(frags))]
+    return (torch.cat(ordered, dim=1) if len(ordered) > 1 else ordered[0]), gathered
+
+
 def run_cp_ops(spec: ScanFunction, backend: str, runs: LocalRuns, named: dict[str, Any]) -> Any:
     """One served call on a CP shard through the ops: see the module docstring."""
     from ..errors import UnsupportedModel
@@ -220,53 +296,9 @@ def run_cp_ops(spec: ScanFunction, backend: str, runs: LocalRuns, named: dict[st
                                             channels, k1))
         out, _ = _call(spec, backend, named, row.tensors, [f.length for f in frags], torch.stack(states), False)
     else:
-        send_pos = {i: s for s, i in enumerate(sending)}
-        first_pass = [i for i, f in enumerate(frags) if not f.continues or i in send_pos]
-        later = sorted(plan.sources[rank])
-        identity = first_pass == list(range(len(frags)))
-        index_a = None if identity or not first_pass else _tokens([frags[i] for i in first_pass], row.length, device)
-        lens_a = [frags[i].length for i in first_pass]
-        want = bool(sending)
-        out_a, end = (_call(spec, backend, named, _select(row.tensors, index_a), lens_a, None, want)
-                      if first_pass else (None, None))
-        summaries: list[torch.Tensor | None] = [None] * len(sending)
-        continuing_senders = [i for i in first_pass if i in send_pos and frags[i].continues]
-        transitions = {}
-        if continuing_senders:
-            index_t = _tokens([frags[i] for i in continuing_senders], row.length, device)
-            m = _transition(spec, named, _select(row.tensors, index_t), [frags[i].length for i in continuing_senders])
-            transitions = {i: m[j] for j, i in enumerate(continuing_senders)}
-        for j, i in enumerate(first_pass):
-            if i in send_pos:
-                state = end[j].float().flatten()
-                tail = (transitions[i].float().flatten() if i in transitions
-                        else state.new_zeros(width - state.numel()))
-                summaries[send_pos[i]] = torch.cat([state, tail])
-        gathered = gather_summaries(runs, summaries, width, device)
-        pieces, order_frags = [], []
-        if first_pass:
-            pieces.append(out_a)
-            order_frags += [(i, True) for i in first_pass]
-        if later:
-            states = [compose(spec, named, [gathered[r * plan.slots + s] for r, s in plan.sources[rank][i]])[0]
-                      for i in later]
-            index_c = _tokens([frags[i] for i in later], row.length, device)
-            out_c, _ = _call(spec, backend, named, _select(row.tensors, index_c), [frags[i].length for i in later],
-                             torch.stack(states), False)
-            pieces.append(out_c)
-            order_frags += [(i, False) for i in later]
-        out = torch.cat(pieces, dim=1) if len(pieces) > 1 else pieces[0]
-        if not identity or later:
-            # the output row in local order: each token from the pass that computed its fragment's final output
-            where, at = {}, 0
-            for i, first_run in order_frags:
-                if first_run and i in plan.sources[rank]:
-                    at += frags[i].length  # a continuing sender's zero-state outputs are not used
-                    continue
-                where[i] = at
-                at += frags[i].length
-            index = torch.cat([torch.arange(where[i], where[i] + frags[i].length) for i in range(len(frags))])
-            out = out.index_select(1, index.to(device))
+        out = _scan_cp(spec, backend, runs, named, row, frags, width)
+        gathered = out[1]
+        out = out[0]
     out = _unpack(spec, named, row, out)
     if gathered is not None:
         # Every rank must run the gather's backward (a collective), also one whose fragments use none of it.

@@ -237,6 +237,14 @@ def _cp_worker(rank: int, world: int) -> dict:
             counts[_name] += 1
             return _fn(*args, **kwargs)
         ops.TORCH_OPS[name] = counted
+    import hf_blockdiag_cp.recurrent.op_call as op_call
+
+    plain = op_call._augmented_pass
+
+    def augmented(*args, **kwargs):  # delta rule / KDA fragments that continue and send: one pass, no rerun
+        counts["augmented"] += 1
+        return plain(*args, **kwargs)
+    op_call._augmented_pass = augmented
     report = {"continuing": 0, "op_calls": 0}
     for kind, placement in CP_CASES:
         config = tiny_config(kind)
@@ -258,6 +266,7 @@ def _cp_worker(rank: int, world: int) -> dict:
             torch.testing.assert_close(p.grad, ref_grads[name], rtol=1e-4, atol=1e-6,
                                        msg=lambda m, n=name, k=kind: f"{k} grad {n} vs documents alone: {m}")
         report["continuing"] += len(_cached_plan(ctx).sources[rank])
+    report["augmented"] = counts.pop("augmented", 0)
     report["op_calls"] = sum(counts.values())
     # Rank 1 asks for another recurrent backend: every rank raises the agreement error in the model's pre-hook,
     # before any layer (no K/V exchange, no state all-gather) runs.
@@ -283,6 +292,7 @@ def test_torch_ops_under_cp2_match_documents_alone_and_ranks_agree():
     reports = run_ranks(_cp_worker, 2, timeout=600)
     assert sum(r["continuing"] for r in reports) > 0, "no fragment continued a document"
     assert all(r["op_calls"] > 0 for r in reports), "the torch ops did not run"
+    assert sum(r["augmented"] for r in reports) > 0, "no delta-rule fragment both continued and sent"
     for r in reports:
         assert "recurrent_backend (rank 0: 'torch', rank 1: 'model')" in r.get("error", ""), r
         assert r["bytes_after_refusal"] == 0
