@@ -3,7 +3,8 @@
 ``--part layers``: per mixer type, a model of ONE decoder layer of that type (tiny sizes, like the test configs)
 runs forward + backward on a packed row of ``--tokens`` tokens in ``--docs`` lognormal documents through
 ``attn_implementation="blockdiag_cp"`` (every document restarts its state), once per ``recurrent_backend``
-(``model``: transformers' function once per document; ``torch``: the package's chunked ops, one varlen call), and
+(``model``: transformers' function once per document; ``torch``: the package's chunked ops, one varlen call;
+``auto``: the default, per kind), and
 the stock model (sdpa, transformers' torch fallbacks) runs the same tokens as ONE unpacked sequence (no resets:
 the cost floor; the acceptance bound is ratio <= 1.5). ``tiny-qwen3-next`` is the whole 4-layer model of
 ``configs/model/tiny-qwen3-next.json``. One thread, median of ``--repeats`` after one warm-up.
@@ -52,7 +53,7 @@ LAYERS: dict[str, tuple[str, dict]] = {
     "mamba": ("mamba", {"num_hidden_layers": 1}),
     "conv": ("lfm2", {"num_hidden_layers": 1, "layer_types": ["conv"], "full_attn_idxs": []}),
 }
-BACKENDS = ("model", "torch")
+BACKENDS = ("model", "torch", "auto")
 ENV = "HF_BLOCKDIAG_CP_RECURRENT_BACKEND"
 
 
@@ -90,8 +91,9 @@ def layers(args) -> None:
     from hf_blockdiag_cp.conformance.runs import build_model
     lens = lognormal_lengths(args.tokens, args.docs, args.seed)
     print(f"# {args.tokens} tokens, docs {lens}, 1 thread, torch {torch.__version__}")
-    print("| mixer (model) | pass | stock, 1 sequence | ours `model` | ours `torch` | ratio `model` | ratio `torch` |")
-    print("|---|---|---|---|---|---|---|")
+    print("| mixer (model) | pass | stock, 1 sequence | ours `model` | ours `torch` | ours `auto` | ratio `model` | "
+          "ratio `torch` | ratio `auto` |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for kind in args.types:
         config = _config(kind)
         backward = kind != "mamba" or args.mamba_backward
@@ -108,8 +110,10 @@ def layers(args) -> None:
                                args.repeats))
         os.environ.pop(ENV, None)
         name = kind if kind == "tiny-qwen3-next" else f"{kind} ({LAYERS[kind][0]})"
-        print(f"| {name} | {'fwd+bwd' if backward else 'fwd'} | {stock_t * 1e3:.0f} ms | {row[0] * 1e3:.0f} ms | "
-              f"{row[1] * 1e3:.0f} ms | {row[0] / stock_t:.2f} | {row[1] / stock_t:.2f} |", flush=True)
+        cells = " | ".join(f"{t * 1e3:.0f} ms" for t in row)
+        ratios = " | ".join(f"{t / stock_t:.2f}" for t in row)
+        kind_pass = "fwd+bwd" if backward else "fwd"
+        print(f"| {name} | {kind_pass} | {stock_t * 1e3:.0f} ms | {cells} | {ratios} |", flush=True)
 
 
 def _cp_worker(rank: int, world: int, store_path: str, spec: dict, out_path: str) -> None:

@@ -56,7 +56,8 @@ FORWARD_FIELDS: dict[str, str] = {
     "hidden_size": "the ranks' model configs differ",
     "recurrent_backend": "the ranks ask for different recurrent kernels (BlockDiagCPConfig.recurrent_backend or "
                          "HF_BLOCKDIAG_CP_RECURRENT_BACKEND differs) or can import different kernel libraries "
-                         "(flash-linear-attention, mamba_ssm, causal-conv1d); every rank must run the same recurrent path",
+                         "(flash-linear-attention, mamba_ssm, causal-conv1d); every rank must run the same "
+                         "recurrent path",
 }
 #: The checked batch tensors, in row order (their expected checksums, then the forward's).
 FORWARD_TENSORS: tuple[str, ...] = ("input_ids", "position_ids")

@@ -30,8 +30,8 @@ import torch
 
 from ..config import RECURRENT_BACKENDS
 
-__all__ = ["AUTO_ON_CPU", "LIBRARY_KINDS", "SEMANTIC_KEYWORDS", "agreement_code", "call_backend", "describe_code", "forward_backend",
-           "op_refusal"]
+__all__ = ["AUTO_ON_CPU", "LIBRARY_KINDS", "SEMANTIC_KEYWORDS", "agreement_code", "call_backend", "describe_code",
+           "forward_backend", "op_refusal"]
 
 #: ``"auto"`` on CPU, per mixer kind (:attr:`~.functions.ScanFunction.kind`), measured with
 #: ``benchmarks/bench_recurrent_layers.py`` (docs/benchmarks.md, one layer on a packed 16K row): the chunked ops are

@@ -25,8 +25,8 @@ from typing import Any, Callable
 import torch
 
 from ..errors import UnsupportedModel
-from .fragment_call import bind, call_fragment, time_axis
 from .backend import call_backend, op_refusal
+from .fragment_call import bind, call_fragment, time_axis
 from .functions import COMPOSITES, FUSED, SCANS, WINDOWED, ScanFunction, mixer_functions
 from .op_call import known_arguments, run_ops
 from .runs import LocalRuns

@@ -6,12 +6,14 @@ convolution and of Mamba1 are transposed to channels last), the fragments become
 op's output is laid back out as the model's function returns it. So one op call replaces the per-fragment loop
 (CP = 1). Under CP (:func:`run_cp_ops`), every rank
 
-1. runs the fragments that start their document, and those that continue one and also send a summary, from a zero
-   state in one call (their end states, and each continuing sender's transition from the op's transition helper:
-   the same summaries as :mod:`.state_passing`, so the formula for the bytes moved is unchanged);
+1. runs the fragments that start their document from a zero state in one call (their end states are summaries:
+   the same as :mod:`.state_passing`'s, so the formula for the bytes moved is unchanged). A delta-rule / KDA
+   fragment that continues AND sends runs once here, augmented (:func:`_augmented_pass`: its transition and what
+   the incoming state adds to its outputs come out of the same call); an SSD / Mamba1 one runs from zero for its end
+   state, with its decay from the op's transition helper (a sum), and again in step 3;
 2. gathers the summaries (:func:`~.state_passing.gather_summaries`, one all-gather per layer and direction);
 3. runs the continuing fragments once, in one call, from the states composed in document order
-   (:func:`~.state_passing.compose`); only fragments that both continue and send run twice.
+   (:func:`~.state_passing.compose`), and adds ``S_in^T Q_t`` to the augmented ones.
 
 The convolution's summary is its inputs, so it gathers first and runs every fragment once with its window.
 """

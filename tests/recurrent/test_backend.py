@@ -25,13 +25,13 @@ from hf_blockdiag_cp.conformance.runs import (
 )
 from hf_blockdiag_cp.errors import AgreementError
 from hf_blockdiag_cp.model.forward_agreement import FORWARD_FIELDS, agree_on_forward
+from hf_blockdiag_cp.planning.fragments import local_fragments
 from hf_blockdiag_cp.recurrent import ops
 from hf_blockdiag_cp.recurrent.backend import AUTO_ON_CPU, agreement_code, call_backend, op_refusal
 from hf_blockdiag_cp.recurrent.functions import SCANS
 from hf_blockdiag_cp.recurrent.install import run_fragments
 from hf_blockdiag_cp.recurrent.op_call import known_arguments
 from hf_blockdiag_cp.recurrent.runs import LocalRuns
-from hf_blockdiag_cp.planning.fragments import local_fragments
 from tests.fake_collective import FAKE_GROUP, with_peers
 
 ENV = ENV_VARS["recurrent_backend"]
