@@ -185,12 +185,13 @@ def cp(args) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--part", choices=["layers", "cp"], default="layers")
+    parser.add_argument("--part", choices=["layers", "cp"], default="layers",
+                        help="layers: one layer per mixer type vs the stock layer; cp: a CP = 2 vs CP = 1 step")
     parser.add_argument("--tokens", type=int, default=16384, help="tokens in the packed row (default 16384)")
     parser.add_argument("--docs", type=int, default=8, help="lognormal documents in the row (default 8)")
     parser.add_argument("--repeats", type=int, default=3, help="--part layers: timed runs, median (default 3)")
     parser.add_argument("--steps", type=int, default=3, help="--part cp: timed steps, median (default 3)")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=0, help="seed of the document lengths, tokens and weights")
     parser.add_argument("--types", nargs="+", default=[*LAYERS, "tiny-qwen3-next"],
                         choices=[*LAYERS, "tiny-qwen3-next"], help="--part layers: mixers to time")
     parser.add_argument("--backends", nargs="+", default=["model", "torch", "auto"],

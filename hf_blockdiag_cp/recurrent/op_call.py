@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 
+from ..errors import UnsupportedModel
 from . import ops
 from .functions import ScanFunction
 from .ops.adapters import LIBRARY_OPS, library_unavailable_reason
@@ -264,8 +265,6 @@ def _scan_cp(spec: ScanFunction, backend: str, runs: LocalRuns, named: dict[str,
 
 def run_cp_ops(spec: ScanFunction, backend: str, runs: LocalRuns, named: dict[str, Any]) -> Any:
     """One served call on a CP shard through the ops: see the module docstring."""
-    from ..errors import UnsupportedModel
-
     plan, rank = runs.plan, runs.context.cp_rank
     if spec.state_flag is not None and named.get(spec.state_flag):
         raise UnsupportedModel(f"{spec.name}: a final state (a cache) under context parallelism is not "

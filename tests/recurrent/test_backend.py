@@ -219,6 +219,15 @@ def test_ranks_asking_for_different_backends_disagree_by_name(monkeypatch):
 
 # ---------------------------------------------------------------- CP = 2 on gloo (one spawn)
 
+SEQ_LEN = 48
+MIXED = [5, 21, 1, 9, 12]  # 48 tokens: the 21-token document spans both ranks in several pieces
+
+
+def _docs(lengths: list[int], vocab: int) -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(7)
+    return [torch.randint(3, vocab, (n,), generator=gen) for n in lengths]
+
+
 CP_CASES = [("qwen3_next", "balanced"), ("bamba", "zigzag"), ("mamba", "contiguous"), ("lfm2", "zigzag"),
             ("kimi_linear", "balanced")]
 
@@ -228,7 +237,6 @@ def _cp_worker(rank: int, world: int) -> dict:
 
     import hf_blockdiag_cp as bd
     from hf_blockdiag_cp.recurrent.runs import _cached_plan
-    from tests.recurrent.test_state_passing import LAYOUTS, SEQ_LEN, _docs
     from tests.reference import documents_alone
 
     counts: collections.Counter[str] = collections.Counter()
@@ -248,7 +256,7 @@ def _cp_worker(rank: int, world: int) -> dict:
     report = {"continuing": 0, "op_calls": 0}
     for kind, placement in CP_CASES:
         config = tiny_config(kind)
-        docs = _docs(LAYOUTS["mixed"], config.vocab_size)
+        docs = _docs(MIXED, config.vocab_size)
         ref_logits, ref_grads = documents_alone(kind, docs, build_model(config, None).train())
         model = build_model(config, "blockdiag_cp").train()
         collator = bd.PackingCollator(SEQ_LEN, group=dist.group.WORLD, pad_token_id=0, placement=placement,
@@ -274,7 +282,7 @@ def _cp_worker(rank: int, world: int) -> dict:
     model = build_model(config, "blockdiag_cp").train()
     collator = bd.PackingCollator(SEQ_LEN, group=dist.group.WORLD, pad_token_id=0, config=bd.BlockDiagCPConfig(
         collective_timeout_s=60, recurrent_backend="torch" if rank == 0 else "model"))
-    batch = collator([{"input_ids": d.tolist()} for d in _docs(LAYOUTS["mixed"], config.vocab_size)])
+    batch = collator([{"input_ids": d.tolist()} for d in _docs(MIXED, config.vocab_size)])
     comm = bd.comm_stats(batch["cp_context"])
     try:
         model(**batch)
