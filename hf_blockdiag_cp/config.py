@@ -11,8 +11,8 @@ import datetime
 import os
 from dataclasses import dataclass, field
 
-__all__ = ["ATTN_IMPLEMENTATION", "BACKENDS", "KV_EXCHANGES", "PLACEMENTS", "RECURRENT_LAYOUTS", "BlockDiagCPConfig",
-           "ENV_VARS", "add_backend_name", "backend_choices"]
+__all__ = ["ATTN_IMPLEMENTATION", "BACKENDS", "KV_EXCHANGES", "PLACEMENTS", "RECURRENT_BACKENDS", "RECURRENT_LAYOUTS",
+           "BlockDiagCPConfig", "ENV_VARS", "add_backend_name", "backend_choices"]
 
 #: The name this package registers with transformers (``attn_implementation="blockdiag_cp"``).
 ATTN_IMPLEMENTATION = "blockdiag_cp"
@@ -35,6 +35,10 @@ def backend_choices() -> tuple[str, ...]:
     return BACKENDS + tuple(_REGISTERED)
 #: K/V exchange strategies across context-parallel ranks.
 KV_EXCHANGES: tuple[str, ...] = ("auto", "allgather", "halo", "a2a")
+#: Kernels of recurrent token mixers (:mod:`hf_blockdiag_cp.recurrent.backend`): ``"model"`` calls the model's own
+#: function once per document fragment, ``"torch"`` the package's chunked ops once per call (``cu_seqlens``),
+#: ``"fla"`` / ``"mamba_ssm"`` their GPU adapters, ``"auto"`` picks per device and mixer kind.
+RECURRENT_BACKENDS: tuple[str, ...] = ("auto", "model", "torch", "fla", "mamba_ssm")
 #: Which row positions each CP rank holds (see :mod:`hf_blockdiag_cp.planning.placement`).
 PLACEMENTS: tuple[str, ...] = ("balanced", "contiguous", "zigzag")
 #: How recurrent layers (scans, causal convolutions) run under CP: ``"state"`` passes fragment summaries between the
@@ -56,6 +60,7 @@ ENV_VARS: dict[str, str] = {
     "ulysses_size": "HF_BLOCKDIAG_CP_ULYSSES_SIZE",
     "layout_flops_per_byte": "HF_BLOCKDIAG_CP_LAYOUT_FLOPS_PER_BYTE",
     "recurrent_layout": "HF_BLOCKDIAG_CP_RECURRENT_LAYOUT",
+    "recurrent_backend": "HF_BLOCKDIAG_CP_RECURRENT_BACKEND",
 }
 
 #: Longest collective timeout accepted (a year): ``datetime.timedelta`` and the process-group
@@ -182,6 +187,13 @@ class BlockDiagCPConfig:
             document whole and sends the outputs back (bytes grow with the row; see docs/layouts.md). Part of
             the step's plan fingerprint (all ranks agree before a recurrent collective).
             Env: ``HF_BLOCKDIAG_CP_RECURRENT_LAYOUT``.
+        recurrent_backend: kernels of recurrent token mixers (Mamba1/2, gated delta rule, KDA, short
+            convolutions), one of :data:`RECURRENT_BACKENDS`: ``"model"`` runs the model's own function once per
+            document fragment, ``"torch"`` the package's chunked ops once per call over all fragments,
+            ``"fla"`` / ``"mamba_ssm"`` their libraries on CUDA (the torch op where a library does not cover a
+            call), ``"auto"`` (default) the fastest exact choice per device and mixer kind. A call the ops cannot
+            express takes ``"model"``. Every CP rank must ask for the same (the forward agreement checks it).
+            Env: ``HF_BLOCKDIAG_CP_RECURRENT_BACKEND``.
     """
 
     backend: str = field(default_factory=lambda: _env_str("backend", "auto"))
@@ -197,6 +209,7 @@ class BlockDiagCPConfig:
     layout_flops_per_byte: float = field(
         default_factory=lambda: _env_float("layout_flops_per_byte", DEFAULT_LAYOUT_FLOPS_PER_BYTE))
     recurrent_layout: str = field(default_factory=lambda: _env_str("recurrent_layout", "state"))
+    recurrent_backend: str = field(default_factory=lambda: _env_str("recurrent_backend", "auto"))
 
     def __post_init__(self) -> None:
         backends = backend_choices()
@@ -214,6 +227,11 @@ class BlockDiagCPConfig:
             raise ValueError(f"recurrent_layout={self.recurrent_layout!r} (env {ENV_VARS['recurrent_layout']}) is not "
                              f"one of {', '.join(RECURRENT_LAYOUTS)}")
         object.__setattr__(self, "recurrent_layout", self.recurrent_layout.lower())
+        if (not isinstance(self.recurrent_backend, str)
+                or self.recurrent_backend.lower() not in RECURRENT_BACKENDS):
+            raise ValueError(f"recurrent_backend={self.recurrent_backend!r} (env {ENV_VARS['recurrent_backend']}) is "
+                             f"not one of {', '.join(RECURRENT_BACKENDS)}")
+        object.__setattr__(self, "recurrent_backend", self.recurrent_backend.lower())
         tolerance = self.balance_tolerance
         if isinstance(tolerance, bool) or not isinstance(tolerance, (int, float)) or not 0 <= tolerance < 10:
             raise ValueError(f"balance_tolerance={tolerance!r} (env {ENV_VARS['balance_tolerance']}) must be a "

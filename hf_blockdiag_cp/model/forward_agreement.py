@@ -3,7 +3,8 @@
 The per-step agreement (:mod:`hf_blockdiag_cp.distributed.agreement`, first layer) compares what the
 contexts planned; this one compares what each rank's *forward* does with its context, before any layer
 runs: how many forwards it ran on that context, grad mode, training mode, gradient checkpointing, the
-K/V dtype (parameters and autocast), the attention config, and checksums of the ``input_ids`` /
+K/V dtype (parameters and autocast), the attention config, the recurrent kernel request (and the kernel libraries
+it resolves against), and checksums of the ``input_ids`` /
 ``position_ids`` the layers will read against the shard the collator fingerprinted (a forward without
 ``position_ids`` is checked as HF models number it: ``0 .. L-1`` on every rank, wrong for packed rows). Exchange
 collectives pair by order, so a rank that runs one extra forward, or a backward that recomputes on one
@@ -28,6 +29,7 @@ from ..context import BlockDiagCPContext
 from ..distributed.agreement import agree_on_values
 from ..distributed.groups import GroupRef
 from ..planning.fingerprint import shard_checksum
+from ..recurrent.backend import agreement_code, describe_code
 from ..runtime import find_runtime, step_runtime
 from .heads import config_int, text_config
 
@@ -52,6 +54,10 @@ FORWARD_FIELDS: dict[str, str] = {
     "num_key_value_heads": "the ranks' model configs differ",
     "head_dim": "the ranks' model configs differ",
     "hidden_size": "the ranks' model configs differ",
+    "recurrent_backend": "the ranks ask for different recurrent kernels (BlockDiagCPConfig.recurrent_backend or "
+                         "HF_BLOCKDIAG_CP_RECURRENT_BACKEND differs) or can import different kernel libraries "
+                         "(flash-linear-attention, mamba_ssm, causal-conv1d); every rank must run the same "
+                         "recurrent path",
 }
 #: The checked batch tensors, in row order (their expected checksums, then the forward's).
 FORWARD_TENSORS: tuple[str, ...] = ("input_ids", "position_ids")
@@ -68,6 +74,8 @@ def dtype_code(dtype: torch.dtype) -> int:
 def _describe(name: str, value: int) -> str:
     if name == "kv_dtype":
         return str(DTYPES[value]).removeprefix("torch.") if 0 <= value < len(DTYPES) else f"dtype code {value}"
+    if name == "recurrent_backend":
+        return describe_code(value)
     if name in ("grad_enabled", "training", "checkpointing", "autocast"):
         return "on" if value else "off"
     return str(value)
@@ -161,6 +169,7 @@ def agree_forward(model: torch.nn.Module, named: dict[str, Any]) -> None:
         "num_key_value_heads": config_int(config, "num_key_value_heads") or heads,
         "head_dim": config_int(config, "head_dim") or (hidden // heads if heads else 0),
         "hidden_size": hidden,
+        "recurrent_backend": agreement_code(ctx.config.recurrent_backend, device),
     }
     tensors = [named.get(name) for name in FORWARD_TENSORS]
     if tensors[1] is None:  # what HF models then use: every shard numbered from 0

@@ -30,6 +30,7 @@ import torch
 
 from ..errors import UnsupportedModel
 from .agreement import agree_recurrent
+from .backend import call_backend, op_refusal
 from .fragment_call import bind, call_fragment, time_axis
 from .functions import (
     COMPOSITES,
@@ -44,6 +45,7 @@ from .functions import (
     mixer_functions,
 )
 from .head_parallel import run_heads
+from .op_call import known_arguments, run_ops
 from .runs import LocalRuns
 from .scan_modules import run_scan_module
 from .state_passing import run_cp, run_stateful, run_window
@@ -280,7 +282,9 @@ def run_fragments(spec: ScanFunction, original: Callable, runs: LocalRuns, args:
                   kwargs: dict[str, Any]) -> Any:
     """Run the model's own function once per fragment, each from a zero state (CP = 1), and reassemble the rows.
 
-    Under CP the fragments that continue a document get their incoming state from :mod:`.state_passing`.
+    Under CP the fragments that continue a document get their incoming state from :mod:`.state_passing`. When the
+    forward's recurrent backend (:mod:`.backend`) picks an op and the op can express the call, the op runs instead,
+    once over all fragments (:mod:`.op_call`).
     """
     named = bind(spec, args, kwargs)
     for key in _PACKING_KEYWORDS:
@@ -295,8 +299,12 @@ def run_fragments(spec: ScanFunction, original: Callable, runs: LocalRuns, args:
                          f"[B={runs.batch_size}, L={runs.local_len}]")
     if runs.cp_size > 1:
         agree_recurrent(runs.context, lead.device)  # before this step's first recurrent collective
-        if runs.context.config.recurrent_layout == "heads":
+        if runs.context.config.recurrent_layout == "heads":  # whole documents per rank: the model's own function
             return run_heads(spec, original, runs, named)
+    backend = call_backend(runs.backend, spec.kind, lead.device)
+    if backend != "model" and op_refusal(spec.kind, named, known_arguments(spec)) is None:
+        return run_ops(spec, backend, runs, named)
+    if runs.cp_size > 1:
         return run_cp(spec, original, runs, named)
     want_state = bool(named.get(spec.state_flag)) if spec.state_flag else False
     rows_out, states = [], []

@@ -15,9 +15,11 @@ from typing import Any
 
 import torch
 
+from ..config import BlockDiagCPConfig
 from ..planning.documents import doc_ids_from_flattening, doc_ids_from_position_ids
 from ..planning.fragments import Fragment, FragmentPlan, local_fragments, plan_fragments
 from ..runtime import step_runtime
+from .backend import forward_backend
 
 __all__ = ["Fragment", "LocalRuns", "local_runs"]
 
@@ -32,6 +34,8 @@ class LocalRuns:
         cp_size: the CP group size of the step (1: whole rows).
         plan: the step's :class:`~hf_blockdiag_cp.planning.fragments.FragmentPlan` (CP > 1).
         context: the step's ``cp_context`` (CP > 1: its group, rank and runtime).
+        backend: the forward's recurrent backend request and library mask
+            (:func:`~hf_blockdiag_cp.recurrent.backend.forward_backend`).
     """
 
     rows: tuple[tuple[Fragment, ...], ...]
@@ -39,6 +43,7 @@ class LocalRuns:
     cp_size: int = 1
     plan: FragmentPlan | None = None
     context: Any = None
+    backend: tuple[str, int] = ("model", 0)
 
     @property
     def batch_size(self) -> int:
@@ -58,15 +63,19 @@ def local_runs(named: dict[str, Any], packed: bool) -> LocalRuns | None:
         packed: whether the batch puts more than one document in a row (:func:`~hf_blockdiag_cp.model.batch.packing`).
     """
     ctx = named.get("cp_context")
+    like = next((t for t in (named.get("input_ids"), named.get("inputs_embeds"), named.get("position_ids"))
+                 if isinstance(t, torch.Tensor)), None)
+    config = getattr(ctx, "config", None) or BlockDiagCPConfig()
+    backend = forward_backend(config.recurrent_backend, like.device if like is not None else torch.device("cpu"))
     if ctx is not None:
         index = ctx.local_index.to(torch.int64)
         rows = local_fragments(ctx.doc_ids, index)
         if ctx.cp_size == 1:
-            return LocalRuns(rows, index.numel())
+            return LocalRuns(rows, index.numel(), backend=backend)
         # Under a head-parallel attention layout (ulysses_size > 1) the layers between attention calls still hold
         # sequence shards (ctx.placement is the layout's [P, L] table): the same fragments and state passing apply.
         plan = _cached_plan(ctx)
-        return LocalRuns(rows, index.numel(), ctx.cp_size, plan, ctx)
+        return LocalRuns(rows, index.numel(), ctx.cp_size, plan, ctx, backend)
     if not packed:
         return None
     position_ids = named.get("position_ids")
@@ -83,7 +92,7 @@ def local_runs(named: dict[str, Any], packed: bool) -> LocalRuns | None:
             position_ids=None if position_ids is None else position_ids.reshape(-1))[None]
     else:
         ids = doc_ids_from_position_ids(position_ids)
-    return LocalRuns(local_fragments(ids, torch.arange(ids.shape[1])), ids.shape[1])
+    return LocalRuns(local_fragments(ids, torch.arange(ids.shape[1])), ids.shape[1], backend=backend)
 
 
 def _cached_plan(ctx: Any) -> FragmentPlan:

@@ -30,33 +30,18 @@ incoming state's part ``C_t (exp(A cumsum delta) * S_in)`` (gated by ``silu(z)``
 
 from __future__ import annotations
 
-import datetime
-from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
 
-from ..distributed import CommStats
-from ..distributed.exchange import _AllGather
 from ..errors import UnsupportedModel
-from ..runtime import step_runtime
 from .fragment_call import call_fragment, time_axis
 from .functions import ScanFunction, StatefulModule, WindowedModule
 from .runs import LocalRuns
-from .summaries import run_with_summaries
+from .summaries import gather_summaries, run_with_summaries
 
-__all__ = ["compose_stateful", "run_cp", "run_stateful", "run_window", "stateful_decay", "summary_width"]
-
-
-@dataclass(frozen=True)
-class _Gather:
-    """What :class:`~hf_blockdiag_cp.distributed.exchange._AllGather` reads from an exchange."""
-
-    size: int
-    rank: int
-    group: Any
-    timeout: datetime.timedelta
-    stats: CommStats | None
+__all__ = ["compose", "compose_stateful", "conv_incoming", "run_cp", "run_stateful", "run_window", "stateful_decay",
+           "summary_width"]
 
 
 def summary_width(spec: ScanFunction, named: dict[str, Any]) -> int:
@@ -176,21 +161,10 @@ def run_cp(spec: ScanFunction, original: Callable, runs: LocalRuns, named: dict[
         x = named["hidden_states"]
         summaries = {i: _conv_window(x[frags[i].row:frags[i].row + 1].narrow(-1, frags[i].start, frags[i].length),
                                      k1).flatten() for i in plan.send[rank]}
-    gathered = None
-    if plan.slots:
-        device = next(v for v in named.values() if isinstance(v, torch.Tensor)).device
-        buffer = torch.zeros(plan.slots, width, dtype=torch.float32, device=device)
-        if summaries:
-            # slot k holds the summary of fragment plan.send[rank][k] (not fragment order: a rank's sent fragments
-            # are listed by document, and balanced placements put a later document's piece first)
-            sent = [summaries[i] for i in plan.send[rank]]
-            buffer = torch.cat([torch.stack(sent), buffer[len(sent):]])
-        if torch.is_grad_enabled() and not buffer.requires_grad:
-            # A rank that sends nothing differentiable must still join the gather's backward (a reduce-scatter).
-            buffer.requires_grad_()
-        gather = _Gather(ctx.cp_size, rank, ctx.group, datetime.timedelta(seconds=ctx.config.collective_timeout_s),
-                         step_runtime(ctx).comm)
-        gathered = _AllGather.apply(buffer, gather)  # [P * slots, W]
+    device = next(v for v in named.values() if isinstance(v, torch.Tensor)).device
+    # slot k holds the summary of fragment plan.send[rank][k] (not fragment order: a rank's sent fragments are listed
+    # by document, and balanced placements put a later document's piece first)
+    gathered = gather_summaries(runs, [summaries[i] for i in plan.send[rank]], width, device)
     for i, srcs in sources.items():
         f = frags[i]
         rows = [gathered[r * plan.slots + s] for r, s in srcs]
@@ -198,9 +172,9 @@ def run_cp(spec: ScanFunction, original: Callable, runs: LocalRuns, named: dict[
             outputs[i] = _continue_conv(spec, original, named, f, rows, [plan.fragments[r][plan.send[r][s]].length
                                                                          for r, s in srcs])
         elif spec.kind == "selective":
-            outputs[i] = outputs[i] + _selective_contribution(named, f, _compose(spec, named, rows))
+            outputs[i] = outputs[i] + _selective_contribution(named, f, compose(spec, named, rows))
         else:
-            state = _compose(spec, named, rows)
+            state = compose(spec, named, rows)
             # SSD and the diagonal recurrence keep their state in fp32; the delta rules take the values' dtype
             dtype = torch.float32 if spec.kind in ("ssd", "diag") else named["value"].dtype
             outputs[i], _ = call_fragment(spec, original, named, f.row, f.start, f.length, state.to(dtype))
@@ -215,7 +189,16 @@ def run_cp(spec: ScanFunction, original: Callable, runs: LocalRuns, named: dict[
     return (out, None) if spec.returns_tuple else out
 
 
-def _compose(spec: ScanFunction, named: dict[str, Any], rows: list[torch.Tensor]) -> torch.Tensor:
+def conv_incoming(rows: list[torch.Tensor], lengths: list[int], channels: int, k1: int) -> torch.Tensor:
+    """The ``K - 1`` inputs ``[C, K - 1]`` (fp32, oldest first) before a continuing fragment: the earlier fragments'
+    windows ``rows`` (each ``C (K - 1)`` floats) in document order, of which a fragment of ``n < K - 1`` tokens
+    contributes its ``n``; zeros before the document start."""
+    parts = [row.view(channels, k1)[:, k1 - min(n, k1):] for row, n in zip(rows, lengths)]
+    window = torch.cat(parts, dim=-1)[:, -k1:] if parts else rows[0].new_zeros(channels, 0)
+    return torch.nn.functional.pad(window, (k1 - window.shape[-1], 0))
+
+
+def compose(spec: ScanFunction, named: dict[str, Any], rows: list[torch.Tensor]) -> torch.Tensor:
     """The state entering a fragment: the earlier fragments' summaries folded in document order (fp32)."""
     end_shape, transition_shape = _state_shapes(spec, named)
     n = 1
@@ -242,10 +225,7 @@ def _continue_conv(spec: ScanFunction, original: Callable, named: dict[str, Any]
     """The convolution of a continuing fragment: its inputs preceded by the document's last ``K - 1`` earlier ones."""
     weight = named["weight"]
     k1 = weight.shape[-1] - 1
-    channels = weight.shape[0]
-    parts = [row.view(channels, k1)[:, k1 - min(n, k1):] for row, n in zip(rows, lengths)]
-    window = torch.cat(parts, dim=-1)[:, -k1:] if parts else weight.new_zeros(channels, 0)
-    window = torch.nn.functional.pad(window, (k1 - window.shape[-1], 0))
+    window = conv_incoming(rows, lengths, weight.shape[0], k1)
     x = named["hidden_states"][f.row:f.row + 1].narrow(-1, f.start, f.length)
     extended = torch.cat([window[None].to(x.dtype), x], dim=-1)
     out, _ = call_fragment(spec, original, {**named, "hidden_states": extended}, 0, 0, f.length + k1)
@@ -291,14 +271,7 @@ def run_window(spec: WindowedModule, original: Callable, runs: LocalRuns, named:
             f = frags[i]
             tail = seq[f.row, f.start + max(0, f.length - window):f.start + f.length].float()  # [<= window, C]
             sent.append(torch.nn.functional.pad(tail, (0, 0, window - tail.shape[0], 0)).flatten())
-        buffer = torch.zeros(plan.slots, window * channels, dtype=torch.float32, device=x.device)
-        if sent:
-            buffer = torch.cat([torch.stack(sent), buffer[len(sent):]])
-        if torch.is_grad_enabled() and not buffer.requires_grad:
-            buffer.requires_grad_()  # every rank joins the gather's backward (a reduce-scatter)
-        gather = _Gather(ctx.cp_size, rank, ctx.group, datetime.timedelta(seconds=ctx.config.collective_timeout_s),
-                         step_runtime(ctx).comm)
-        gathered = _AllGather.apply(buffer, gather)  # [P * slots, window * C]
+        gathered = gather_summaries(runs, sent, window * channels, x.device)  # [P * slots, window * C]
         for i, srcs in plan.sources[rank].items():
             f = frags[i]
             lengths = [plan.fragments[r][plan.send[r][s]].length for r, s in srcs]

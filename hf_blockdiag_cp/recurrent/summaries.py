@@ -33,14 +33,18 @@ class _Gather:
     stats: CommStats | None
 
 
-def gather_summaries(context: Any, slots: int, sent: list[torch.Tensor], width: int,
-                     device: torch.device) -> torch.Tensor:
-    """All ranks' summaries ``[P * slots, W]`` fp32 (rank ``r``'s slot ``s`` at row ``r * slots + s``).
+def gather_summaries(runs: Any, sent: list[torch.Tensor], width: int, device: torch.device) -> torch.Tensor | None:
+    """All ranks' fragment summaries ``[P * slots, W]`` fp32 (rank ``r``'s slot ``s`` at row ``r * slots + s``) from
+    this rank's ``sent`` (``[W]`` each, in the plan's send order, at most ``slots``); ``None`` when no fragment of the
+    step sends one.
 
     Args:
-        context: the step's ``cp_context`` (group, rank, timeout, traffic counters).
-        sent: this rank's summaries ``[W]`` each, in the plan's send order (at most ``slots``).
+        runs: the forward's :class:`~.runs.LocalRuns` (its plan's ``slots``; its ``cp_context``: group, rank, timeout,
+            traffic counters).
     """
+    slots, context = runs.plan.slots, runs.context
+    if not slots:
+        return None
     buffer = torch.zeros(slots, width, dtype=torch.float32, device=device)
     if sent:
         buffer = torch.cat([torch.stack([s.float() for s in sent]), buffer[len(sent):]])
@@ -86,11 +90,10 @@ def run_with_summaries(runs: Any, width: int, device: torch.device, out_dim: int
         if i in sending:
             summaries[i] = summarize(f, end, continues)
     gathered = None
-    if cp and runs.plan.slots:
+    if cp:
         plan = runs.plan
-        gathered = gather_summaries(runs.context, plan.slots, [summaries[i] for i in plan.send[rank]], width,
-                                    device)  # [P * slots, W]
-        for i, srcs in plan.sources[rank].items():
+        gathered = gather_summaries(runs, [summaries[i] for i in plan.send[rank]], width, device)  # [P * slots, W]
+        for i, srcs in (plan.sources[rank] if gathered is not None else {}).items():
             outputs[i], _ = call(frags[i], compose([gathered[r * plan.slots + s] for r, s in srcs]))
     rows = []
     for row in range(runs.batch_size):

@@ -82,6 +82,11 @@ class ChunkLayout:
         flat = x_CLF.reshape((self.n_chunks * self.chunk_size,) + tuple(x_CLF.shape[2:]))
         return flat.index_select(0, self.scatter_idx)
 
+    def steps(self, x_C: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """[C, ...] -> per step j its rows ``[n_active[j], ...]``: one ``split`` (whose backward is one ``cat``), not
+        a slice per step (each slice's backward would write a full-size zero gradient: quadratic in the steps)."""
+        return x_C.split(list(self.n_active), dim=0)
+
     def finished_after(self, step: int) -> tuple[int, int]:
         """Sorted sequences ``[lo, hi)`` whose last chunk is step ``step`` (step -1: empty sequences)."""
         hi = self.num_seqs if step < 0 else self.n_active[step]

@@ -71,9 +71,16 @@ class _Chunked:
         self.qk = None if qk is None else qk.masked_fill(~lower, 0.0)  # [C, H, L, L], diagonal included
         self.q_dec = None if q_T is None else to_c(q_T) * decay_in  # [C, H, L, K]
 
-    def decay_state(self, rows: slice, state: torch.Tensor) -> torch.Tensor:
-        """diag(exp(gcum_L)) state, state [n, H, K, *]."""
-        d = self.decay_end[rows]
+    def by_step(self, layout: ChunkLayout) -> None:
+        """Split the per-chunk tensors the scan reads into per-step pieces (``layout.steps``)."""
+        self.W_s = layout.steps(self.W)
+        self.U_s = None if self.U is None else layout.steps(self.U)
+        self.k_end_s = layout.steps(self.k_end)
+        self.decay_end_s = layout.steps(self.decay_end)
+
+    def decay_state(self, j: int, state: torch.Tensor) -> torch.Tensor:
+        """diag(exp(gcum_L)) state at step ``j``, state [n, H, K, *]."""
+        d = self.decay_end_s[j]
         return (d[..., None] if self.per_channel else d[..., None, None]) * state
 
 
@@ -105,6 +112,7 @@ def _delta_rule(q, k, v, g, beta, *, scale, initial_state, output_final_state, c
     heads, dk, dv = v_T.shape[1], k_T.shape[-1], v_T.shape[-1]
     layout = chunk_layout(lens, chunk_size, k.device)
     ch = _Chunked(layout, k_T, g_T, beta_T, v_T, q_T)
+    ch.by_step(layout)
     n_seq = len(lens)
     if initial_state is None:
         state0 = k_T.new_zeros(n_seq, heads, dk, dv)
@@ -116,9 +124,9 @@ def _delta_rule(q, k, v, g, beta, *, scale, initial_state, output_final_state, c
     corrected = []
 
     def step(j: int, rows: slice, state: torch.Tensor) -> torch.Tensor:
-        u = ch.U[rows] - ch.W[rows] @ state  # [n, H, L, V]
+        u = ch.U_s[j] - ch.W_s[j] @ state  # [n, H, L, V]
         corrected.append(u)
-        return ch.decay_state(rows, state) + ch.k_end[rows].transpose(-1, -2) @ u
+        return ch.decay_state(j, state) + ch.k_end_s[j].transpose(-1, -2) @ u
 
     entering, final = scan_states(layout, state0.index_select(0, layout.order), step)
     if entering:
@@ -140,11 +148,12 @@ def _transition(k, g, beta, *, cu_seqlens, seq_lens_host, use_qk_l2norm_in_kerne
     heads, dk = k_T.shape[1], k_T.shape[-1]
     layout = chunk_layout(lens, chunk_size, k.device)
     ch = _Chunked(layout, k_T, g_T, beta_T, None, None)
+    ch.by_step(layout)
     eye = torch.eye(dk, dtype=k_T.dtype, device=k.device).expand(len(lens), heads, dk, dk)
 
     def step(j: int, rows: slice, m: torch.Tensor) -> torch.Tensor:
         # one chunk maps S0 -> diag(exp(gcum_L)) S0 - k_end^T W S0 (+ terms without S0)
-        return ch.decay_state(rows, m) - ch.k_end[rows].transpose(-1, -2) @ (ch.W[rows] @ m)
+        return ch.decay_state(j, m) - ch.k_end_s[j].transpose(-1, -2) @ (ch.W_s[j] @ m)
 
     _, final = scan_states(layout, eye.index_select(0, layout.order), step)
     return final

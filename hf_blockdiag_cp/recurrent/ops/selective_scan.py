@@ -81,8 +81,10 @@ def selective_scan(u: torch.Tensor, delta: torch.Tensor, A: torch.Tensor, B: tor
                              f"got {tuple(initial_state.shape)}")
         state0 = initial_state.to(dtype)
 
+    decay_s, state_s = layout.steps(chunk_decay), layout.steps(chunk_state)
+
     def step(j: int, rows: slice, state: torch.Tensor) -> torch.Tensor:
-        return chunk_decay[rows] * state + chunk_state[rows]
+        return decay_s[j] * state + state_s[j]
 
     entering, final = scan_states(layout, state0.index_select(0, layout.order), step)
     if entering:

@@ -87,8 +87,10 @@ def ssd_chunk_scan(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.
                              f"{state_size}], got {tuple(initial_state.shape)}")
         state0 = initial_state.to(dtype)
 
+    decay_s, state_s = layout.steps(chunk_decay), layout.steps(chunk_state)
+
     def step(j: int, rows: slice, state: torch.Tensor) -> torch.Tensor:
-        return chunk_decay[rows][:, :, None, None] * state + chunk_state[rows]
+        return decay_s[j][:, :, None, None] * state + state_s[j]
 
     entering, final = scan_states(layout, state0.index_select(0, layout.order), step)
     if entering:

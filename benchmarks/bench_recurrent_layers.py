@@ -1,0 +1,209 @@
+"""Speed of the package's recurrent path on CPU (issue 24): packed rows vs transformers' own fallback, CP = 2 vs 1.
+
+``--part layers``: per mixer type, a model of ONE decoder layer of that type (tiny sizes, like the test configs)
+runs forward + backward on a packed row of ``--tokens`` tokens in ``--docs`` lognormal documents through
+``attn_implementation="blockdiag_cp"`` (every document restarts its state), once per ``recurrent_backend``
+(``model``: transformers' function once per document; ``torch``: the package's chunked ops, one varlen call;
+``auto``: the default, per kind), and
+the stock model (sdpa, transformers' torch fallbacks) runs the same tokens as ONE unpacked sequence (no resets:
+the cost floor; the acceptance bound is ratio <= 1.5). ``tiny-qwen3-next`` is the whole 4-layer model of
+``configs/model/tiny-qwen3-next.json``. One thread, median of ``--repeats`` after one warm-up.
+
+``--part cp``: one training step (forward + backward) of ``configs/model/tiny-qwen3-next.json`` on one packed row of
+``--tokens`` tokens: CP = 1 (one process, one thread) vs CP = 2 (two gloo processes, one thread each, balanced
+placement), per recurrent backend; the bound is CP = 2 / CP = 1 <= 0.6. Wall time per step (the slowest rank) and
+the CPU time the busiest rank spent in the step (``time.process_time``: on a shared, loaded machine the two
+processes compete for cores with other work, which inflates wall time but not CPU time; gloo waits block). Processes
+meet through a file store in a temporary directory (no port).
+
+transformers' Mamba1 fallback backward is quadratic in the length (hours at 16K), so ``mamba`` is timed forward
+only (marked ``fwd``) unless ``--mamba-backward``.
+
+    python benchmarks/bench_recurrent_layers.py --part layers            # 16K tokens, 8 docs
+    python benchmarks/bench_recurrent_layers.py --part cp --steps 3
+    python benchmarks/bench_recurrent_layers.py --part layers --types gdn ssd --tokens 4096
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+import warnings
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+from bench_recurrent_ops import lognormal_lengths  # noqa: E402
+
+#: Per mixer type: (model type, config overrides making its one decoder layer that mixer).
+LAYERS: dict[str, tuple[str, dict]] = {
+    "gdn": ("qwen3_next", {"num_hidden_layers": 1, "layer_types": ["linear_attention"]}),
+    "kda": ("kimi_linear", {"num_hidden_layers": 1, "layer_types": ["linear_attention"], "mlp_layer_types": ["dense"]}),
+    "ssd": ("bamba", {"num_hidden_layers": 1, "attn_layer_indices": []}),
+    "mamba": ("mamba", {"num_hidden_layers": 1}),
+    "conv": ("lfm2", {"num_hidden_layers": 1, "layer_types": ["conv"], "full_attn_idxs": []}),
+}
+BACKENDS = ("model", "torch", "auto")
+ENV = "HF_BLOCKDIAG_CP_RECURRENT_BACKEND"
+
+
+def _config(kind: str):
+    from transformers import AutoConfig
+
+    from hf_blockdiag_cp.conformance.configs import tiny_config
+    if kind == "tiny-qwen3-next":
+        return AutoConfig.from_pretrained(ROOT / "configs" / "model" / "tiny-qwen3-next.json")
+    model_type, overrides = LAYERS[kind]
+    config = copy.deepcopy(tiny_config(model_type))
+    for key, value in overrides.items():
+        setattr(config, key, value)
+    return config
+
+
+def _step(model, inputs: dict, backward: bool) -> None:
+    model.zero_grad(set_to_none=True)
+    logits = model(**inputs, use_cache=False).logits
+    if backward:
+        logits.float().square().mean().backward()
+
+
+def _median(fn, repeats: int) -> float:
+    times = []
+    for i in range(repeats + 1):
+        start = time.perf_counter()
+        fn()
+        if i:
+            times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def layers(args) -> None:
+    from hf_blockdiag_cp.conformance.runs import build_model
+    lens = lognormal_lengths(args.tokens, args.docs, args.seed)
+    print(f"# {args.tokens} tokens, docs {lens}, 1 thread, torch {torch.__version__}")
+    print("| mixer (model) | pass | stock, 1 sequence | ours `model` | ours `torch` | ours `auto` | ratio `model` | "
+          "ratio `torch` | ratio `auto` |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for kind in args.types:
+        config = _config(kind)
+        backward = kind != "mamba" or args.mamba_backward
+        gen = torch.Generator().manual_seed(args.seed)
+        ids = torch.randint(3, config.vocab_size - 2, (1, args.tokens), generator=gen)
+        packed_pos = torch.cat([torch.arange(n) for n in lens])[None]
+        stock = build_model(config, None).train()
+        stock_t = _median(lambda: _step(stock, {"input_ids": ids}, backward), args.repeats)
+        ours = build_model(config, "blockdiag_cp").train()
+        row = []
+        for backend in BACKENDS:
+            os.environ[ENV] = backend
+            row.append(_median(lambda: _step(ours, {"input_ids": ids, "position_ids": packed_pos}, backward),
+                               args.repeats))
+        os.environ.pop(ENV, None)
+        name = kind if kind == "tiny-qwen3-next" else f"{kind} ({LAYERS[kind][0]})"
+        cells = " | ".join(f"{t * 1e3:.0f} ms" for t in row)
+        ratios = " | ".join(f"{t / stock_t:.2f}" for t in row)
+        kind_pass = "fwd+bwd" if backward else "fwd"
+        print(f"| {name} | {kind_pass} | {stock_t * 1e3:.0f} ms | {cells} | {ratios} |", flush=True)
+
+
+def _cp_worker(rank: int, world: int, store_path: str, spec: dict, out_path: str) -> None:
+    import torch.distributed as dist
+
+    import hf_blockdiag_cp as bd
+    from hf_blockdiag_cp.conformance.runs import build_model
+    torch.set_num_threads(1)
+    warnings.filterwarnings("ignore")
+    os.environ[ENV] = spec["backend"]
+    group = None
+    if world > 1:
+        dist.init_process_group("gloo", init_method=f"file://{store_path}", rank=rank, world_size=world)
+        group = dist.group.WORLD
+    config = _config("tiny-qwen3-next")
+    model = build_model(config, "blockdiag_cp").train()
+    gen = torch.Generator().manual_seed(spec["seed"])
+    docs = [torch.randint(3, config.vocab_size - 2, (n,), generator=gen).tolist() for n in spec["lens"]]
+    collator = bd.PackingCollator(spec["tokens"], group=group, pad_token_id=config.pad_token_id,
+                                  config=bd.BlockDiagCPConfig(recurrent_backend=spec["backend"]))
+    batch = collator([{"input_ids": d} for d in docs])
+    times = []
+    for i in range(spec["steps"] + 1):
+        if group is not None:
+            dist.barrier()
+        start, cpu = time.perf_counter(), time.process_time()
+        model.zero_grad(set_to_none=True)
+        out = model(**batch)
+        out.loss.backward()
+        cpu = time.process_time() - cpu
+        if group is not None:  # the gradient all-reduce of data parallelism is not part of the CP cost
+            dist.barrier()
+        if i:
+            times.append((time.perf_counter() - start, cpu))
+    Path(f"{out_path}.{rank}").write_text(json.dumps(times))
+    if group is not None:
+        dist.destroy_process_group()
+
+
+def _cp_time(world: int, spec: dict) -> tuple[float, float]:
+    """(wall, CPU) seconds of one step: per step the slowest rank, median over steps."""
+    import torch.multiprocessing as mp
+    with tempfile.TemporaryDirectory() as tmp:
+        store, out = os.path.join(tmp, "store"), os.path.join(tmp, "times")
+        if world == 1:
+            _cp_worker(0, 1, store, spec, out)
+        else:
+            mp.start_processes(_cp_worker, args=(world, store, spec, out), nprocs=world, start_method="spawn")
+        per_rank = [json.loads(Path(f"{out}.{r}").read_text()) for r in range(world)]
+    steps = list(zip(*per_rank))  # per step, each rank's (wall, cpu)
+    return (statistics.median(max(r[0] for r in step) for step in steps),
+            statistics.median(max(r[1] for r in step) for step in steps))
+
+
+def cp(args) -> None:
+    lens = lognormal_lengths(args.tokens, args.docs, args.seed)
+    print(f"# tiny-qwen3-next, one training step (fwd+bwd) on a {args.tokens}-token row, docs {lens}, one thread per "
+          f"rank, median of {args.steps}")
+    print("| recurrent_backend | CP = 1 wall | CP = 2 wall | wall CP = 2 / CP = 1 | CP = 1 CPU | CP = 2 CPU (max rank) "
+          "| CPU CP = 2 / CP = 1 |")
+    print("|---|---|---|---|---|---|---|")
+    for backend in args.backends:
+        spec = {"backend": backend, "seed": args.seed, "lens": lens, "tokens": args.tokens, "steps": args.steps}
+        one = _cp_time(1, spec)
+        two = _cp_time(2, spec)
+        print(f"| {backend} | {one[0] * 1e3:.0f} ms | {two[0] * 1e3:.0f} ms | {two[0] / one[0]:.2f} | "
+              f"{one[1] * 1e3:.0f} ms | {two[1] * 1e3:.0f} ms | {two[1] / one[1]:.2f} |", flush=True)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--part", choices=["layers", "cp"], default="layers",
+                        help="layers: one layer per mixer type vs the stock layer; cp: a CP = 2 vs CP = 1 step")
+    parser.add_argument("--tokens", type=int, default=16384, help="tokens in the packed row (default 16384)")
+    parser.add_argument("--docs", type=int, default=8, help="lognormal documents in the row (default 8)")
+    parser.add_argument("--repeats", type=int, default=3, help="--part layers: timed runs, median (default 3)")
+    parser.add_argument("--steps", type=int, default=3, help="--part cp: timed steps, median (default 3)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the document lengths, tokens and weights")
+    parser.add_argument("--types", nargs="+", default=[*LAYERS, "tiny-qwen3-next"],
+                        choices=[*LAYERS, "tiny-qwen3-next"], help="--part layers: mixers to time")
+    parser.add_argument("--backends", nargs="+", default=["model", "torch", "auto"],
+                        choices=["model", "torch", "auto"], help="--part cp: recurrent backends to time")
+    parser.add_argument("--mamba-backward", action="store_true", help="also time the stock Mamba1 backward")
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    warnings.filterwarnings("ignore")
+    import transformers
+    transformers.logging.set_verbosity_error()
+    layers(args) if args.part == "layers" else cp(args)
+
+
+if __name__ == "__main__":
+    main()
