@@ -32,7 +32,7 @@ from hf_blockdiag_cp.model.detect import packing_refusal
 from hf_blockdiag_cp.recurrent.fragment_call import call_fragment
 from hf_blockdiag_cp.recurrent.functions import METHODS, WINDOWED, conv_window
 from hf_blockdiag_cp.recurrent.install import INSTALLED_ATTR, uninstall_recurrent
-from hf_blockdiag_cp.recurrent.state_passing import _compose, _transition, summary_width
+from hf_blockdiag_cp.recurrent.state_passing import _transition, compose, summary_width
 from tests.launch import run_ranks
 from tests.reference import documents_alone
 
@@ -150,7 +150,7 @@ def test_diag_summaries_compose_to_the_sequential_recurrence() -> None:
             out = _sequential(x[:, :n], a[:, :n], reset[:, :n])
             summaries.append(torch.cat([end.float().flatten(), end.new_zeros(width).float()]))
         else:
-            state = _compose(spec, named, summaries)
+            state = compose(spec, named, summaries)
             torch.testing.assert_close(state.double(), ref[:, start - 1], rtol=1e-6, atol=1e-6)
             out, _ = call_fragment(spec, original, named, 0, start, n, state)
             decay = _transition(spec, original, named, 0, start, n)
