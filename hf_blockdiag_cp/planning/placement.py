@@ -512,30 +512,36 @@ def _improve(placed: list[list[_Item]], load: list[float], room: list[int], *, s
     where the pieces already were). Looks at the ``width`` heaviest items of each rank.
 
     Every candidate of a step (item ``i`` of the most loaded rank, rank ``r``, a move or a swap with item ``j``)
-    is scored in one vectorised pass; the first best in ``(i, r, move, j)`` order wins, as in a loop over them."""
+    is scored in one vectorised pass; the first best in ``(i, r, move, j)`` order wins, as in a loop over them.
+
+    Slot 0 of every rank is an empty item (no work, no tokens): swapping with it is the move, scored by the same
+    float operations (``x + 0.0`` and ``x - 0.0`` are ``x``), so one pass scores moves and swaps together."""
     cp_size = len(load)
-    # The table has as many slots as the fullest rank has items (up to ``width``): slots past a rank's items hold
-    # infinite work (never a candidate), so narrower tables score the same candidates; ``refresh`` widens it.
+    # The table has as many slots as the fullest rank has items (up to ``width``), after the empty slot 0: slots
+    # past a rank's items hold infinite work (never a candidate), so narrower tables score the same candidates;
+    # ``refresh`` widens it.
     slots = min(width, max(len(items) for items in placed))
-    works = np.full((cp_size, slots), np.inf)
-    tokens = np.zeros((cp_size, slots), dtype=np.int64)
+    works = np.full((cp_size, 1 + slots), np.inf)
+    works[:, 0] = 0.0
+    tokens = np.zeros((cp_size, 1 + slots), dtype=np.int64)
     # Filled in one assignment: every item's work and tokens at (its rank, its slot).
     counts = np.fromiter((min(len(items), slots) for items in placed), dtype=np.int64, count=cp_size)
     rank_of = np.repeat(np.arange(cp_size), counts)
-    slot_of = np.arange(rank_of.size) - np.repeat(np.cumsum(counts) - counts, counts)
+    slot_of = np.arange(rank_of.size) - np.repeat(np.cumsum(counts) - counts, counts) + 1
     works[rank_of, slot_of] = [it.work for items in placed for it in items[:slots]]
     tokens[rank_of, slot_of] = [it.tokens for items in placed for it in items[:slots]]
 
     def refresh(rank: int) -> None:
         nonlocal works, tokens
         top = placed[rank][:width]
-        if len(top) > works.shape[1]:
-            grow = len(top) - works.shape[1]
+        if len(top) + 1 > works.shape[1]:
+            grow = len(top) + 1 - works.shape[1]
             works = np.pad(works, ((0, 0), (0, grow)), constant_values=np.inf)
             tokens = np.pad(tokens, ((0, 0), (0, grow)))
         works[rank] = np.inf
-        works[rank, :len(top)] = [it.work for it in top]
-        tokens[rank, :len(top)] = [it.tokens for it in top]
+        works[rank, 0] = 0.0
+        works[rank, 1:len(top) + 1] = [it.work for it in top]
+        tokens[rank, 1:len(top) + 1] = [it.tokens for it in top]
 
     # numpy copies of ``load`` / ``room``, updated with the same float operations on every move.
     loads, rooms = np.asarray(load, dtype=np.float64), np.asarray(room, dtype=np.int64)
@@ -545,19 +551,16 @@ def _improve(placed: list[list[_Item]], load: list[float], room: list[int], *, s
         if count == 0:
             return
         peak_load = load[worst]
-        a_work, a_tokens = works[worst, :count, None], tokens[worst, :count, None]  # [i, 1]
-        # Moves [i, r]: item i of the worst rank to rank r.
-        move = np.maximum(peak_load - a_work, loads + a_work)
-        move = np.where((rooms >= a_tokens) & (move < peak_load), move, np.inf)
-        move[:, worst] = np.inf
-        # Swaps [i, r, j]: item i for item j of rank r (a padded slot has infinite work: never lighter).
-        a_work3, a_tokens3 = a_work[:, :, None], a_tokens[:, :, None]
-        swap = np.maximum(peak_load - a_work3 + works, loads[:, None] + a_work3 - works)
-        fits = ((works < a_work3) & (rooms[:, None] + tokens >= a_tokens3) & (room[worst] + a_tokens3 >= tokens)
-                & (swap < peak_load))
-        swap = np.where(fits, swap, np.inf)
-        swap[:, worst] = np.inf
-        scores = np.concatenate([move[:, :, None], swap], axis=2)  # [i, r, 1 + width]: the loop's order
+        a_work, a_tokens = works[worst, 1:count + 1, None, None], tokens[worst, 1:count + 1, None, None]  # [i,1,1]
+        # [i, r, slot]: item i of the worst rank for item ``slot`` of rank r (slot 0: the move).
+        scores = np.maximum(peak_load - a_work + works, loads[:, None] + a_work - works)
+        fits = works < a_work  # a padded slot has infinite work: never lighter
+        fits[:, :, 0] = True
+        fits &= rooms[:, None] + tokens >= a_tokens
+        fits &= room[worst] + a_tokens >= tokens
+        fits &= scores < peak_load
+        fits[:, worst] = False
+        scores = np.where(fits, scores, np.inf)
         flat = int(np.argmin(scores))
         if scores.flat[flat] == np.inf:
             return
