@@ -27,6 +27,7 @@ import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import cached_property
+from typing import Any
 
 import numpy as np
 import torch
@@ -323,7 +324,7 @@ def balanced_placement(doc_ids_row: torch.Tensor, cp_size: int, *, tolerance: fl
     spans = document_spans(row)
     parts = [max(1, math.ceil((end - start) / local_len)) for start, end in spans]
     best: tuple[float, list[list[_Item]], list[int]] | None = None
-    cache: dict[tuple[int, int], list[tuple]] = {}  # items are never modified: rounds share them
+    cache: dict[Any, Any] = {}  # items are never modified: rounds share them (and the sorted items)
     for _ in range(max_rounds + 1):
         placed, load, room, spilled = _assign(spans, parts, cp_size, local_len, windows, cache=cache)
         _improve(placed, load, room)
@@ -437,21 +438,40 @@ def _cheapest_split(docs: list[int], excess: float, spans: list[tuple[int, int]]
 
 
 def _assign(spans: list[tuple[int, int]], parts: list[int], cp_size: int, local_len: int,
-            windows: Sequence[int | None], cache: dict[tuple[int, int], list[tuple]] | None = None
+            windows: Sequence[int | None], cache: dict[Any, Any] | None = None
             ) -> tuple[list[list[_Item]], list[float], list[int], list[int]]:
     """One placement round: ``(items per rank heaviest first, work per rank, room left per rank,
     documents cut because their piece fit no rank)``."""
-    keyed: list[tuple[float, int, int, int, _Item]] = []
     cache = {} if cache is None else cache  # (doc, parts) -> its items: rounds change few documents' parts
-    for doc, (start, end) in enumerate(spans):
+
+    def items_of(doc: int) -> list[tuple[float, int, int, int, _Item]]:
         made = cache.get((doc, parts[doc]))
         if made is None:
+            start, end = spans[doc]
             made = cache[doc, parts[doc]] = ([_item(doc, start, [(start, end)], windows)] if parts[doc] == 1 else
                                              _head_tail_items(doc, start, end - start, parts[doc], windows))
             made[:] = [(-it.work, -it.tokens, doc, j, it) for j, it in enumerate(made)]
-        keyed.extend(made)
-    # Heaviest first, ties in document order (a stable sort by (-work, -tokens)): the cached tuples sort in C.
-    keyed.sort()
+        return made
+
+    # Heaviest first, ties in document order (a stable sort by (-work, -tokens)): the cached tuples sort in C. Their
+    # keys (-work, -tokens, doc, j) are distinct, so the sorted list is unique: the previous round's (kept in the
+    # cache under ``None`` with its parts) is updated by taking out and putting in the items of the documents whose
+    # parts changed, instead of sorting every item again.
+    previous = cache.get(None)
+    if previous is None:
+        keyed: list[tuple[float, int, int, int, _Item]] = []
+        for doc in range(len(spans)):
+            keyed.extend(items_of(doc))
+        keyed.sort()
+    else:
+        old_parts, keyed = previous
+        if old_parts != parts:
+            for doc in [d for d, (new, old) in enumerate(zip(parts, old_parts)) if new != old]:
+                for key in cache[doc, old_parts[doc]]:
+                    del keyed[bisect.bisect_left(keyed, key)]
+                for key in items_of(doc):
+                    bisect.insort(keyed, key)
+    cache[None] = (list(parts), keyed)
     load = [0.0] * cp_size
     room = [local_len] * cp_size
     placed: list[list[_Item]] = [[] for _ in range(cp_size)]
