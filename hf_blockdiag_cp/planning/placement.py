@@ -292,7 +292,8 @@ def _head_tail_items(doc: int, start: int, length: int, parts: int,
 
 
 def balanced_placement(doc_ids_row: torch.Tensor, cp_size: int, *, tolerance: float = 0.05,
-                       windows: Sequence[int | None] = (None,), max_rounds: int = 16) -> Placement:
+                       windows: Sequence[int | None] = (None,), max_rounds: int = 16,
+                       documents: tuple[np.ndarray, np.ndarray] | None = None) -> Placement:
     """Balance causal work over ranks while splitting as few documents as possible.
 
     1. Every document longer than ``L`` is split head-tail (chunks ``j`` and ``2k-1-j`` of ``2k``
@@ -315,13 +316,14 @@ def balanced_placement(doc_ids_row: torch.Tensor, cp_size: int, *, tolerance: fl
         tolerance: accepted excess of the most loaded rank's work over the mean (>= 0).
         windows: the model's attention windows (``None`` = full causal) for the work model.
         max_rounds: bound on re-placement rounds.
+        documents: the row's :func:`~hf_blockdiag_cp.planning.documents.document_runs`, if the caller has them.
     """
     if not tolerance >= 0:
         raise ValueError(f"balance tolerance={tolerance!r} must be >= 0")
     row = doc_ids_row.to(torch.int64).flatten()
     full_len = row.numel()
     local_len = full_len // cp_size
-    spans = document_spans(row)
+    spans = document_spans(row, documents)
     parts = [max(1, math.ceil((end - start) / local_len)) for start, end in spans]
     best: tuple[float, list[list[_Item]], list[int]] | None = None
     cache: dict[Any, Any] = {}  # items are never modified: rounds share them (and the sorted items)
@@ -626,8 +628,10 @@ def _spill(item: _Item, doc_start: int, windows: Sequence[int | None], load: lis
 
 
 def make_placement(doc_ids_row: torch.Tensor, cp_size: int, kind: str, *, tolerance: float = 0.05,
-                   windows: Sequence[int | None] = (None,)) -> Placement:
-    """The placement ``kind`` (one of :data:`PLACEMENTS`) of the row ``doc_ids_row [S]`` over ``cp_size`` ranks."""
+                   windows: Sequence[int | None] = (None,),
+                   documents: tuple[np.ndarray, np.ndarray] | None = None) -> Placement:
+    """The placement ``kind`` (one of :data:`PLACEMENTS`) of the row ``doc_ids_row [S]`` over ``cp_size`` ranks
+    (``documents``: the row's :func:`~hf_blockdiag_cp.planning.documents.document_runs`, if the caller has them)."""
     full_len = int(doc_ids_row.numel())
     if cp_size < 1 or full_len % cp_size:
         raise PlanError(f"the row length S={full_len} is not divisible by cp_size={cp_size}")
@@ -636,5 +640,5 @@ def make_placement(doc_ids_row: torch.Tensor, cp_size: int, kind: str, *, tolera
     if kind == "zigzag":
         return zigzag_placement(full_len, cp_size)
     if kind == "balanced":
-        return balanced_placement(doc_ids_row, cp_size, tolerance=tolerance, windows=windows)
+        return balanced_placement(doc_ids_row, cp_size, tolerance=tolerance, windows=windows, documents=documents)
     raise ValueError(f"placement={kind!r} is not one of {', '.join(PLACEMENTS)}")
