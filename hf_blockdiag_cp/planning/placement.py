@@ -23,6 +23,7 @@ sliding window ``w``); a rank's work is the sum over its queries, averaged over 
 from __future__ import annotations
 
 import bisect
+import itertools
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -481,10 +482,19 @@ def _assign(spans: list[tuple[int, int]], parts: list[int], cp_size: int, local_
     # The rank of each item is the first in (load, -room, rank) order that has room for it, preferring ranks not
     # holding the document already. ``order`` keeps the ranks with room in that order (a sorted list: one bisect
     # out and one in per item), so the scan stops at the first fitting rank, skipping only nearly full ones.
+    # A rank whose room is below the tokens of every item left can never be chosen again (rooms only shrink), so it
+    # leaves ``order``: when its room drops below them, or when they grow (``alive[i]``: the least tokens of items
+    # i, i + 1, ...; it only grows). Only ranks that fit no item left leave: every scan finds the same rank.
     order = [(0.0, -local_len, r) for r in range(cp_size)]
+    alive = list(itertools.accumulate(reversed([-key[1] for key in keyed]), min))[::-1]
+    alive.append(0)
+    threshold = 0
     ranks_of: dict[int, list[int]] = {}
     bisect_left, insort = bisect.bisect_left, bisect.insort
-    for _, neg_tokens, doc, _, item in keyed:
+    for i, (_, neg_tokens, doc, _, item) in enumerate(keyed):
+        if alive[i] > threshold:
+            threshold = alive[i]
+            order = [entry for entry in order if -entry[1] >= threshold]
         rank = None
         holding = ranks_of.get(doc, ())
         if neg_tokens == 0:  # fits a full rank too (not in ``order``): look at every rank
@@ -509,10 +519,11 @@ def _assign(spans: list[tuple[int, int]], parts: list[int], cp_size: int, local_
         if rank is None:
             _spill(item, spans[doc][0], windows, load, room, placed)
             spilled.append(doc)
-            order = sorted((load[r], -room[r], r) for r in range(cp_size) if room[r] > 0)
+            order = sorted((load[r], -room[r], r) for r in range(cp_size) if 0 < room[r] >= alive[i + 1])
+            threshold = alive[i + 1]
             continue
         left = room[rank]
-        if left > 0:
+        if left >= threshold and left > 0:
             del order[bisect_left(order, (load[rank], -left, rank))]
         placed[rank].append(item)
         if holding:
@@ -522,7 +533,7 @@ def _assign(spans: list[tuple[int, int]], parts: list[int], cp_size: int, local_
         load[rank] += item.work
         left += neg_tokens
         room[rank] = left
-        if left > 0:  # a full rank fits nothing more (every other item holds a token)
+        if left > 0 and left >= alive[i + 1]:  # a full rank fits nothing more (every other item holds a token)
             insort(order, (load[rank], -left, rank))
     return placed, load, room, spilled
 
