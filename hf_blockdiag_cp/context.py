@@ -23,7 +23,7 @@ from ._validate import check_int
 from .config import BlockDiagCPConfig
 from .distributed.groups import GroupRef, group_to_ref, ref_to_group
 from .planning import PlanError, VarlenPlan, as_doc_ids, build_varlen_plan
-from .planning.documents import arange
+from .planning.documents import arange, document_runs
 from .planning.exchange import ExchangePlan, plan_exchange
 from .planning.fingerprint import data_fingerprint, plan_fingerprint, shard_checksum
 from .planning.layout import HeadShape, LayoutPlan, plan_layout
@@ -168,18 +168,22 @@ class BlockDiagCPContext:
                 return _layout_context(cls, layout, ids, cp_rank, ulysses_groups, windows, common,
                                        placement or config.placement, tokens, positions)
             placement = layout.placement  # auto chose u = 1: today's layout on the same placement
+        # The row's documents as runs, found once: the placement and every window's exchange and varlen plans
+        # start from them (each would otherwise scan the row again).
+        documents = document_runs(ids[0])
         if not isinstance(placement, Placement):
             placement = make_placement(ids[0], cp_size, placement or config.placement,
                                        tolerance=config.balance_tolerance,
-                                       windows=tuple(sliding_windows) or (None,))
+                                       windows=tuple(sliding_windows) or (None,), documents=documents)
         pieces = placement.pieces(cp_rank)
 
         def plans(window: int | None) -> tuple[VarlenPlan, ExchangePlan]:
-            exchange = plan_exchange(ids, cp_size=cp_size, config=config, placement=placement, window=window)
+            exchange = plan_exchange(ids, cp_size=cp_size, config=config, placement=placement, window=window,
+                                     documents=documents)
             positions = exchange.for_rank(cp_rank).buffer_positions
             exchange.for_rank(cp_rank).send_index  # expanded here, on the host, not in the first layer
             return build_varlen_plan(ids, local_len=local_len, pieces=pieces, kv_positions=positions, window=window,
-                                     validate=config.validate), exchange
+                                     validate=config.validate, documents=documents), exchange
 
         plan, exchange = plans(None)
         window_plans = {w: plans(w) for w in windows}

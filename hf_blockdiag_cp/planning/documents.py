@@ -19,6 +19,7 @@ __all__ = [
     "doc_ids_from_cu_seqlens",
     "doc_ids_from_flattening",
     "doc_ids_from_position_ids",
+    "document_runs",
     "document_spans",
     "run_boundaries",
     "run_starts",
@@ -90,17 +91,26 @@ def _number_runs(values: torch.Tensor) -> torch.Tensor:
     return torch.cumsum(run_boundaries(values).to(torch.int64), dim=-1)
 
 
-def document_spans(row: torch.Tensor) -> list[tuple[int, int]]:
-    """Half-open ``(start, end)`` of every document (maximal run of one non-zero id) in ``row [S]``."""
-    n = int(row.numel())
-    if n == 0:
-        return []
-    # One numpy pass (the row is on the host): the positions where the id changes start the runs.
+def document_runs(row: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
+    """``(start [D], end [D])`` int64 numpy: the half-open runs of the documents (maximal runs of one non-zero id)
+    of ``row [S]``, in row order. One pass over the row: a context computes them once per step and hands them to
+    the placement, the exchange and the varlen planners (``documents=``), which otherwise each scan the row."""
     ids = row.detach().reshape(-1).cpu().numpy()
-    starts = np.concatenate([[0], np.flatnonzero(ids[1:] != ids[:-1]) + 1])
-    ends = np.append(starts[1:], n)
+    if ids.size == 0:
+        return np.zeros(0, np.int64), np.zeros(0, np.int64)
+    # The positions where the id changes start the runs.
+    starts = np.concatenate([[0], np.flatnonzero(ids[1:] != ids[:-1]) + 1]).astype(np.int64)
+    ends = np.append(starts[1:], ids.size).astype(np.int64)
     keep = ids[starts] != 0
-    return list(zip(starts[keep].tolist(), ends[keep].tolist()))
+    return starts[keep], ends[keep]
+
+
+def document_spans(row: torch.Tensor, documents: tuple[np.ndarray, np.ndarray] | None = None
+                   ) -> list[tuple[int, int]]:
+    """Half-open ``(start, end)`` of every document (maximal run of one non-zero id) in ``row [S]`` (from
+    ``documents``, the row's :func:`document_runs`, when given)."""
+    start, end = document_runs(row) if documents is None else documents
+    return list(zip(start.tolist(), end.tolist()))
 
 
 def check_cu_seqlens(cu_seqlens: torch.Tensor | Sequence[int], bound: int, *, name: str = "cu_seq_lens",

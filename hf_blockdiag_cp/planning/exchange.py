@@ -32,7 +32,7 @@ import numpy as np
 import torch
 
 from ..config import BlockDiagCPConfig
-from .documents import arange, as_doc_ids, run_starts
+from .documents import arange, as_doc_ids, document_runs, run_starts
 from .placement import Placement, contiguous_placement
 from .varlen import PlanError
 
@@ -216,7 +216,8 @@ class ExchangePlan:
 
 
 def plan_exchange(doc_ids: torch.Tensor, *, cp_size: int, config: BlockDiagCPConfig | None = None,
-                  placement: Placement | None = None, window: int | None = None) -> ExchangePlan:
+                  placement: Placement | None = None, window: int | None = None,
+                  documents: tuple[np.ndarray, np.ndarray] | None = None) -> ExchangePlan:
     """Plan the K/V exchange for one packed row ``doc_ids [S]`` or ``[1, S]`` over ``cp_size`` ranks.
 
     Args:
@@ -225,6 +226,8 @@ def plan_exchange(doc_ids: torch.Tensor, *, cp_size: int, config: BlockDiagCPCon
         config: its ``kv_exchange`` picks the strategy.
         placement: which positions each rank holds (default: contiguous).
         window: plan for a layer with this sliding window (``None``: full causal layers).
+        documents: the row's :func:`~hf_blockdiag_cp.planning.documents.document_runs`, if the caller has them
+            (else computed here: one pass over the row).
     """
     config = config or BlockDiagCPConfig()
     ids = as_doc_ids(doc_ids)
@@ -239,7 +242,7 @@ def plan_exchange(doc_ids: torch.Tensor, *, cp_size: int, config: BlockDiagCPCon
         raise PlanError(f"the placement is for P={placement.cp_size}, S={placement.full_len}, not P={cp_size}, "
                         f"S={full_len}")
     local_len = placement.local_len
-    moves = _remote_runs(row, placement, window)
+    moves = _remote_runs(row, placement, window, documents)
     counts = moves.counts
     moved = bool(counts.any())
     halo_valid = moves.halo_valid
@@ -300,19 +303,8 @@ class _Moves:
         return torch.from_numpy(np.stack([self.local[pick], self.length[pick]], axis=1).reshape(-1, 2))
 
 
-def _document_runs(row: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
-    """``(start [D], end [D])`` int64 numpy of the documents (maximal runs of one non-zero id) of ``row [S]``."""
-    ids = row.numpy()
-    if ids.size == 0:
-        return np.zeros(0, np.int64), np.zeros(0, np.int64)
-    fresh = np.flatnonzero(ids[1:] != ids[:-1]) + 1
-    starts = np.concatenate([[0], fresh]).astype(np.int64)
-    ends = np.append(starts[1:], ids.size).astype(np.int64)
-    keep = ids[starts] != 0
-    return starts[keep], ends[keep]
-
-
-def _remote_runs(row: torch.Tensor, placement: Placement, window: int | None) -> _Moves:
+def _remote_runs(row: torch.Tensor, placement: Placement, window: int | None,
+                 documents: tuple[np.ndarray, np.ndarray] | None = None) -> _Moves:
     """What every rank needs from every other rank, computed on runs (document pieces), not tokens.
 
     A rank's queries are the pieces where its placement runs meet documents; a query piece ``[a, b)`` of the
@@ -322,7 +314,7 @@ def _remote_runs(row: torch.Tensor, placement: Placement, window: int | None) ->
     """
     runs = placement.runs
     cp_size, local_len, full_len = placement.cp_size, placement.local_len, placement.full_len
-    doc_start, doc_end = _document_runs(row)
+    doc_start, doc_end = document_runs(row) if documents is None else documents
     # Elementary pieces: cut the row at every run start and every document boundary.
     cuts = np.union1d(runs.start, np.concatenate([doc_start, doc_end]))
     cuts = cuts[cuts < full_len].astype(np.int64)

@@ -23,10 +23,12 @@ sliding window ``w``); a rank's work is the sum over its queries, averaged over 
 from __future__ import annotations
 
 import bisect
+import itertools
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import cached_property
+from typing import Any
 
 import numpy as np
 import torch
@@ -291,7 +293,8 @@ def _head_tail_items(doc: int, start: int, length: int, parts: int,
 
 
 def balanced_placement(doc_ids_row: torch.Tensor, cp_size: int, *, tolerance: float = 0.05,
-                       windows: Sequence[int | None] = (None,), max_rounds: int = 16) -> Placement:
+                       windows: Sequence[int | None] = (None,), max_rounds: int = 16,
+                       documents: tuple[np.ndarray, np.ndarray] | None = None) -> Placement:
     """Balance causal work over ranks while splitting as few documents as possible.
 
     1. Every document longer than ``L`` is split head-tail (chunks ``j`` and ``2k-1-j`` of ``2k``
@@ -314,16 +317,17 @@ def balanced_placement(doc_ids_row: torch.Tensor, cp_size: int, *, tolerance: fl
         tolerance: accepted excess of the most loaded rank's work over the mean (>= 0).
         windows: the model's attention windows (``None`` = full causal) for the work model.
         max_rounds: bound on re-placement rounds.
+        documents: the row's :func:`~hf_blockdiag_cp.planning.documents.document_runs`, if the caller has them.
     """
     if not tolerance >= 0:
         raise ValueError(f"balance tolerance={tolerance!r} must be >= 0")
     row = doc_ids_row.to(torch.int64).flatten()
     full_len = row.numel()
     local_len = full_len // cp_size
-    spans = document_spans(row)
+    spans = document_spans(row, documents)
     parts = [max(1, math.ceil((end - start) / local_len)) for start, end in spans]
     best: tuple[float, list[list[_Item]], list[int]] | None = None
-    cache: dict[tuple[int, int], list[tuple]] = {}  # items are never modified: rounds share them
+    cache: dict[Any, Any] = {}  # items are never modified: rounds share them (and the sorted items)
     for _ in range(max_rounds + 1):
         placed, load, room, spilled = _assign(spans, parts, cp_size, local_len, windows, cache=cache)
         _improve(placed, load, room)
@@ -437,21 +441,40 @@ def _cheapest_split(docs: list[int], excess: float, spans: list[tuple[int, int]]
 
 
 def _assign(spans: list[tuple[int, int]], parts: list[int], cp_size: int, local_len: int,
-            windows: Sequence[int | None], cache: dict[tuple[int, int], list[tuple]] | None = None
+            windows: Sequence[int | None], cache: dict[Any, Any] | None = None
             ) -> tuple[list[list[_Item]], list[float], list[int], list[int]]:
     """One placement round: ``(items per rank heaviest first, work per rank, room left per rank,
     documents cut because their piece fit no rank)``."""
-    keyed: list[tuple[float, int, int, int, _Item]] = []
     cache = {} if cache is None else cache  # (doc, parts) -> its items: rounds change few documents' parts
-    for doc, (start, end) in enumerate(spans):
+
+    def items_of(doc: int) -> list[tuple[float, int, int, int, _Item]]:
         made = cache.get((doc, parts[doc]))
         if made is None:
+            start, end = spans[doc]
             made = cache[doc, parts[doc]] = ([_item(doc, start, [(start, end)], windows)] if parts[doc] == 1 else
                                              _head_tail_items(doc, start, end - start, parts[doc], windows))
             made[:] = [(-it.work, -it.tokens, doc, j, it) for j, it in enumerate(made)]
-        keyed.extend(made)
-    # Heaviest first, ties in document order (a stable sort by (-work, -tokens)): the cached tuples sort in C.
-    keyed.sort()
+        return made
+
+    # Heaviest first, ties in document order (a stable sort by (-work, -tokens)): the cached tuples sort in C. Their
+    # keys (-work, -tokens, doc, j) are distinct, so the sorted list is unique: the previous round's (kept in the
+    # cache under ``None`` with its parts) is updated by taking out and putting in the items of the documents whose
+    # parts changed, instead of sorting every item again.
+    previous = cache.get(None)
+    if previous is None:
+        keyed: list[tuple[float, int, int, int, _Item]] = []
+        for doc in range(len(spans)):
+            keyed.extend(items_of(doc))
+        keyed.sort()
+    else:
+        old_parts, keyed = previous
+        if old_parts != parts:
+            for doc in [d for d, (new, old) in enumerate(zip(parts, old_parts)) if new != old]:
+                for key in cache[doc, old_parts[doc]]:
+                    del keyed[bisect.bisect_left(keyed, key)]
+                for key in items_of(doc):
+                    bisect.insort(keyed, key)
+    cache[None] = (list(parts), keyed)
     load = [0.0] * cp_size
     room = [local_len] * cp_size
     placed: list[list[_Item]] = [[] for _ in range(cp_size)]
@@ -459,10 +482,19 @@ def _assign(spans: list[tuple[int, int]], parts: list[int], cp_size: int, local_
     # The rank of each item is the first in (load, -room, rank) order that has room for it, preferring ranks not
     # holding the document already. ``order`` keeps the ranks with room in that order (a sorted list: one bisect
     # out and one in per item), so the scan stops at the first fitting rank, skipping only nearly full ones.
+    # A rank whose room is below the tokens of every item left can never be chosen again (rooms only shrink), so it
+    # leaves ``order``: when its room drops below them, or when they grow (``alive[i]``: the least tokens of items
+    # i, i + 1, ...; it only grows). Only ranks that fit no item left leave: every scan finds the same rank.
     order = [(0.0, -local_len, r) for r in range(cp_size)]
+    alive = list(itertools.accumulate(reversed([-key[1] for key in keyed]), min))[::-1]
+    alive.append(0)
+    threshold = 0
     ranks_of: dict[int, list[int]] = {}
     bisect_left, insort = bisect.bisect_left, bisect.insort
-    for _, neg_tokens, doc, _, item in keyed:
+    for i, (_, neg_tokens, doc, _, item) in enumerate(keyed):
+        if alive[i] > threshold:
+            threshold = alive[i]
+            order = [entry for entry in order if -entry[1] >= threshold]
         rank = None
         holding = ranks_of.get(doc, ())
         if neg_tokens == 0:  # fits a full rank too (not in ``order``): look at every rank
@@ -487,10 +519,11 @@ def _assign(spans: list[tuple[int, int]], parts: list[int], cp_size: int, local_
         if rank is None:
             _spill(item, spans[doc][0], windows, load, room, placed)
             spilled.append(doc)
-            order = sorted((load[r], -room[r], r) for r in range(cp_size) if room[r] > 0)
+            order = sorted((load[r], -room[r], r) for r in range(cp_size) if 0 < room[r] >= alive[i + 1])
+            threshold = alive[i + 1]
             continue
         left = room[rank]
-        if left > 0:
+        if left >= threshold and left > 0:
             del order[bisect_left(order, (load[rank], -left, rank))]
         placed[rank].append(item)
         if holding:
@@ -500,7 +533,7 @@ def _assign(spans: list[tuple[int, int]], parts: list[int], cp_size: int, local_
         load[rank] += item.work
         left += neg_tokens
         room[rank] = left
-        if left > 0:  # a full rank fits nothing more (every other item holds a token)
+        if left > 0 and left >= alive[i + 1]:  # a full rank fits nothing more (every other item holds a token)
             insort(order, (load[rank], -left, rank))
     return placed, load, room, spilled
 
@@ -512,30 +545,36 @@ def _improve(placed: list[list[_Item]], load: list[float], room: list[int], *, s
     where the pieces already were). Looks at the ``width`` heaviest items of each rank.
 
     Every candidate of a step (item ``i`` of the most loaded rank, rank ``r``, a move or a swap with item ``j``)
-    is scored in one vectorised pass; the first best in ``(i, r, move, j)`` order wins, as in a loop over them."""
+    is scored in one vectorised pass; the first best in ``(i, r, move, j)`` order wins, as in a loop over them.
+
+    Slot 0 of every rank is an empty item (no work, no tokens): swapping with it is the move, scored by the same
+    float operations (``x + 0.0`` and ``x - 0.0`` are ``x``), so one pass scores moves and swaps together."""
     cp_size = len(load)
-    # The table has as many slots as the fullest rank has items (up to ``width``): slots past a rank's items hold
-    # infinite work (never a candidate), so narrower tables score the same candidates; ``refresh`` widens it.
+    # The table has as many slots as the fullest rank has items (up to ``width``), after the empty slot 0: slots
+    # past a rank's items hold infinite work (never a candidate), so narrower tables score the same candidates;
+    # ``refresh`` widens it.
     slots = min(width, max(len(items) for items in placed))
-    works = np.full((cp_size, slots), np.inf)
-    tokens = np.zeros((cp_size, slots), dtype=np.int64)
+    works = np.full((cp_size, 1 + slots), np.inf)
+    works[:, 0] = 0.0
+    tokens = np.zeros((cp_size, 1 + slots), dtype=np.int64)
     # Filled in one assignment: every item's work and tokens at (its rank, its slot).
     counts = np.fromiter((min(len(items), slots) for items in placed), dtype=np.int64, count=cp_size)
     rank_of = np.repeat(np.arange(cp_size), counts)
-    slot_of = np.arange(rank_of.size) - np.repeat(np.cumsum(counts) - counts, counts)
+    slot_of = np.arange(rank_of.size) - np.repeat(np.cumsum(counts) - counts, counts) + 1
     works[rank_of, slot_of] = [it.work for items in placed for it in items[:slots]]
     tokens[rank_of, slot_of] = [it.tokens for items in placed for it in items[:slots]]
 
     def refresh(rank: int) -> None:
         nonlocal works, tokens
         top = placed[rank][:width]
-        if len(top) > works.shape[1]:
-            grow = len(top) - works.shape[1]
+        if len(top) + 1 > works.shape[1]:
+            grow = len(top) + 1 - works.shape[1]
             works = np.pad(works, ((0, 0), (0, grow)), constant_values=np.inf)
             tokens = np.pad(tokens, ((0, 0), (0, grow)))
         works[rank] = np.inf
-        works[rank, :len(top)] = [it.work for it in top]
-        tokens[rank, :len(top)] = [it.tokens for it in top]
+        works[rank, 0] = 0.0
+        works[rank, 1:len(top) + 1] = [it.work for it in top]
+        tokens[rank, 1:len(top) + 1] = [it.tokens for it in top]
 
     # numpy copies of ``load`` / ``room``, updated with the same float operations on every move.
     loads, rooms = np.asarray(load, dtype=np.float64), np.asarray(room, dtype=np.int64)
@@ -545,19 +584,16 @@ def _improve(placed: list[list[_Item]], load: list[float], room: list[int], *, s
         if count == 0:
             return
         peak_load = load[worst]
-        a_work, a_tokens = works[worst, :count, None], tokens[worst, :count, None]  # [i, 1]
-        # Moves [i, r]: item i of the worst rank to rank r.
-        move = np.maximum(peak_load - a_work, loads + a_work)
-        move = np.where((rooms >= a_tokens) & (move < peak_load), move, np.inf)
-        move[:, worst] = np.inf
-        # Swaps [i, r, j]: item i for item j of rank r (a padded slot has infinite work: never lighter).
-        a_work3, a_tokens3 = a_work[:, :, None], a_tokens[:, :, None]
-        swap = np.maximum(peak_load - a_work3 + works, loads[:, None] + a_work3 - works)
-        fits = ((works < a_work3) & (rooms[:, None] + tokens >= a_tokens3) & (room[worst] + a_tokens3 >= tokens)
-                & (swap < peak_load))
-        swap = np.where(fits, swap, np.inf)
-        swap[:, worst] = np.inf
-        scores = np.concatenate([move[:, :, None], swap], axis=2)  # [i, r, 1 + width]: the loop's order
+        a_work, a_tokens = works[worst, 1:count + 1, None, None], tokens[worst, 1:count + 1, None, None]  # [i,1,1]
+        # [i, r, slot]: item i of the worst rank for item ``slot`` of rank r (slot 0: the move).
+        scores = np.maximum(peak_load - a_work + works, loads[:, None] + a_work - works)
+        fits = works < a_work  # a padded slot has infinite work: never lighter
+        fits[:, :, 0] = True
+        fits &= rooms[:, None] + tokens >= a_tokens
+        fits &= room[worst] + a_tokens >= tokens
+        fits &= scores < peak_load
+        fits[:, worst] = False
+        scores = np.where(fits, scores, np.inf)
         flat = int(np.argmin(scores))
         if scores.flat[flat] == np.inf:
             return
@@ -603,8 +639,10 @@ def _spill(item: _Item, doc_start: int, windows: Sequence[int | None], load: lis
 
 
 def make_placement(doc_ids_row: torch.Tensor, cp_size: int, kind: str, *, tolerance: float = 0.05,
-                   windows: Sequence[int | None] = (None,)) -> Placement:
-    """The placement ``kind`` (one of :data:`PLACEMENTS`) of the row ``doc_ids_row [S]`` over ``cp_size`` ranks."""
+                   windows: Sequence[int | None] = (None,),
+                   documents: tuple[np.ndarray, np.ndarray] | None = None) -> Placement:
+    """The placement ``kind`` (one of :data:`PLACEMENTS`) of the row ``doc_ids_row [S]`` over ``cp_size`` ranks
+    (``documents``: the row's :func:`~hf_blockdiag_cp.planning.documents.document_runs`, if the caller has them)."""
     full_len = int(doc_ids_row.numel())
     if cp_size < 1 or full_len % cp_size:
         raise PlanError(f"the row length S={full_len} is not divisible by cp_size={cp_size}")
@@ -613,5 +651,5 @@ def make_placement(doc_ids_row: torch.Tensor, cp_size: int, kind: str, *, tolera
     if kind == "zigzag":
         return zigzag_placement(full_len, cp_size)
     if kind == "balanced":
-        return balanced_placement(doc_ids_row, cp_size, tolerance=tolerance, windows=windows)
+        return balanced_placement(doc_ids_row, cp_size, tolerance=tolerance, windows=windows, documents=documents)
     raise ValueError(f"placement={kind!r} is not one of {', '.join(PLACEMENTS)}")

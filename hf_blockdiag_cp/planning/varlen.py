@@ -209,7 +209,8 @@ def plan_from_segments(segments: Sequence[Segment], *, batch_size: int, q_rows: 
 def build_varlen_plan(doc_ids: torch.Tensor | Sequence[int], *, local_len: int | None = None, row_offset: int = 0,
                       pieces: Sequence[QueryPiece] | None = None, kv_ranges: Sequence[tuple[int, int]] | None = None,
                       kv_positions: torch.Tensor | None = None, window: int | None = None,
-                      batch_size: int | None = None, validate: bool = True) -> VarlenPlan:
+                      batch_size: int | None = None, validate: bool = True,
+                      documents: tuple[np.ndarray, np.ndarray] | None = None) -> VarlenPlan:
     """Plan the local rows of one rank from full-row document ids.
 
     Args:
@@ -224,6 +225,8 @@ def build_varlen_plan(doc_ids: torch.Tensor | Sequence[int], *, local_len: int |
             window + 1)`` (earlier keys are invisible to every query of the segment).
         batch_size: ``B`` to expand a 1-D ``doc_ids`` to.
         validate: check the plan before returning it.
+        documents: the :func:`~hf_blockdiag_cp.planning.documents.document_runs` of a one-row ``doc_ids``, if the
+            caller has them (else computed here: one pass over each row).
 
     Returns:
         A CPU :class:`VarlenPlan`; move it with :meth:`VarlenPlan.to` once per step.
@@ -284,7 +287,7 @@ def build_varlen_plan(doc_ids: torch.Tensor | Sequence[int], *, local_len: int |
         # Expanded 1-D doc ids share one row: find its documents once.
         key = 0 if ids.stride(0) == 0 else b
         if key not in spans_cache:
-            spans = document_spans(ids[b])
+            spans = document_spans(ids[b], documents if num_rows == 1 else None)
             spans_cache[key] = (spans, [s for s, _ in spans])
         spans, starts = spans_cache[key]
         first = max(bisect.bisect_right(starts, gs) - 1, 0)

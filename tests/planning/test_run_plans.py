@@ -216,3 +216,39 @@ def test_rank_work_on_runs_equals_the_token_sum(case, kind, windows):
     row, cp_size = case
     placement = make_placement(row, cp_size, kind, windows=windows)
     assert torch.equal(rank_work(row, placement, windows), _rank_work_tokens(row, placement, windows))
+
+
+@st.composite
+def many_rank_rows(draw):
+    """``(doc_ids [S], cp_size)`` over up to 128 ranks: up to 80 documents of skewed lengths (a few long ones split
+    over many ranks, many short ones), padding runs between some of them."""
+    cp_size = draw(st.sampled_from([2, 3, 8, 32, 128]))
+    local_len = draw(st.integers(1, 48))
+    full_len = cp_size * local_len
+    scale = draw(st.sampled_from([0.02, 0.1, 0.5, 2.0]))  # document length relative to L
+    count = draw(st.integers(0, 80))
+    lengths = [max(1, int(local_len * scale * 2.0 ** draw(st.integers(-3, 5)))) for _ in range(count)]
+    pads = draw(st.lists(st.integers(0, 3), min_size=count, max_size=count))
+    ids, doc = [], 1
+    for n, pad in zip(lengths, pads):
+        ids += [0] * pad + [doc] * n
+        doc += 1
+    ids = (ids + [0] * full_len)[:full_len]
+    return torch.tensor(ids, dtype=torch.int64), cp_size
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(many_rank_rows(), st.sampled_from([(None,), (None, 7)]), st.sampled_from([0.0, 0.05]))
+def test_balanced_placement_equals_the_reference_over_many_ranks(case, windows, tolerance):
+    """Up to 128 ranks: the rounds' kept sorted items, the scan over ranks in order and the local search scoring moves
+    as swaps with an empty slot give the reference's loops' placement; so do the document runs handed in."""
+    from hf_blockdiag_cp.planning.documents import document_runs
+
+    row, cp_size = case
+    fast = make_placement(row, cp_size, "balanced", tolerance=tolerance, windows=windows)
+    slow = reference_balanced_placement(row, cp_size, tolerance=tolerance, windows=windows)
+    assert torch.equal(fast.index, slow.index)
+    given_runs = make_placement(row, cp_size, "balanced", tolerance=tolerance, windows=windows,
+                                documents=document_runs(row))
+    for name in ("start", "length", "rank", "local_start"):
+        assert np.array_equal(getattr(fast.runs, name), getattr(given_runs.runs, name)), name
