@@ -45,7 +45,7 @@ FAST = {
     "mamba": (EXACT, ""),
     "qwen3_next": (EXACT, ""),
     "lfm2": (EXACT, ""),
-    "inkling2_text": (REFUSED, "carry state across the whole row"),
+    "inkling2_text": (REFUSED, "has no per-document reset or state passing"),
     # 6. positions counted from the row start
     "bart": (REFUSED, "forward takes no position_ids"),
     "marian": (REFUSED, "forward takes no position_ids"),
