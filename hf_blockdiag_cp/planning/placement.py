@@ -23,8 +23,8 @@ sliding window ``w``); a rank's work is the sum over its queries, averaged over 
 from __future__ import annotations
 
 import bisect
-import itertools
 import math
+import operator
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import cached_property
@@ -491,7 +491,8 @@ def _assign(spans: list[tuple[int, int]], parts: list[int], cp_size: int, local_
     shelves = [[] for _ in range(local_len.bit_length() + 1)]
     shelves[-1] = [(0.0, -local_len, r) for r in range(cp_size)]
     top = len(shelves)  # shelves[top:] are empty (rooms only shrink: ``top`` only falls, but for a spill)
-    alive = list(itertools.accumulate(reversed([-key[1] for key in keyed]), min))[::-1]
+    negative = np.fromiter(map(operator.itemgetter(1), keyed), dtype=np.int64, count=len(keyed))
+    alive = (-np.maximum.accumulate(negative[::-1])[::-1]).tolist()
     alive.append(0)
     threshold = 0
     ranks_of: dict[int, set[int]] = {}  # a set: split documents can span many ranks
@@ -630,8 +631,10 @@ def _improve(placed: list[list[_Item]], load: list[float], room: list[int], *, s
         # candidate if it lowers the peak; else no candidate does (so the test ``score < peak`` comes last, once).
         unfit = works >= a_work  # a swap needs a lighter item; a padded slot has infinite work: never lighter
         unfit[:, :, 0] = False
-        unfit |= rooms[:, None] + tokens < a_tokens
-        unfit |= room[worst] + a_tokens < tokens
+        # Room on both sides: -room[worst] <= a_tokens - tokens <= rooms[r], as one unsigned comparison (a value below
+        # the lower bound wraps past every upper bound).
+        spare = (room[worst] + a_tokens - tokens).view(np.uint64)
+        unfit |= spare > (rooms + room[worst]).astype(np.uint64)[:, None]
         unfit[:, worst] = True
         np.putmask(scores, unfit, np.inf)
         flat = int(np.argmin(scores))
