@@ -480,7 +480,7 @@ def _assign(spans: list[tuple[int, int]], parts: list[int], cp_size: int, local_
     placed: list[list[_Item]] = [[] for _ in range(cp_size)]
     spilled: list[int] = []
     # The rank of each item is the first in (load, -room, rank) order that has room for it, preferring ranks not
-    # holding the document already. The ranks with room are kept in that order in buckets by room (``shelf[b]``:
+    # holding the document already. The ranks with room are kept in that order in buckets by room (``shelves[b]``:
     # rooms of bit length b, i.e. in [2^(b-1), 2^b), each a sorted list: one bisect out and one in per item). An
     # item of t tokens fits every rank of the shelves above t's (their first entry is their first fit), none below,
     # and is looked for only in its own shelf: the first fit overall is the least of these few candidates, found
@@ -488,7 +488,7 @@ def _assign(spans: list[tuple[int, int]], parts: list[int], cp_size: int, local_
     # A rank whose room is below the tokens of every item left can never be chosen again (rooms only shrink), so it
     # leaves the shelves: when its room drops below them, or when they grow (``alive[i]``: the least tokens of
     # items i, i + 1, ...; it only grows). Only ranks that fit no item left leave: every search finds the same rank.
-    shelves = [[] for _ in range(local_len.bit_length() + 1)]
+    shelves: list[list[tuple[float, int, int]]] = [[] for _ in range(local_len.bit_length() + 1)]
     shelves[-1] = [(0.0, -local_len, r) for r in range(cp_size)]
     top = len(shelves)  # shelves[top:] are empty (rooms only shrink: ``top`` only falls, but for a spill)
     negative = np.fromiter(map(operator.itemgetter(1), keyed), dtype=np.int64, count=len(keyed))
