@@ -502,7 +502,8 @@ def _assign(spans: list[tuple[int, int]], parts: list[int], cp_size: int, local_
             threshold = alive[i]
             shelves = [[entry for entry in shelf if -entry[1] >= threshold] for shelf in shelves]
         rank = home = None
-        holding = ranks_of.get(doc, ())
+        multi = parts[doc] > 1  # a whole document is one item: no other item of it to keep apart
+        holding = ranks_of.get(doc, ()) if multi else ()
         if neg_tokens == 0:  # fits a full rank too (not on a shelf): look at every rank
             fits = [r for r in range(cp_size) if r not in holding] or list(range(cp_size))
             rank = min(fits, key=lambda r: (load[r], -room[r]))
@@ -564,7 +565,7 @@ def _assign(spans: list[tuple[int, int]], parts: list[int], cp_size: int, local_
         placed[rank].append(item)
         if holding:
             holding.add(rank)
-        else:
+        elif multi:
             ranks_of[doc] = {rank}
         load[rank] += item.work
         left += neg_tokens
