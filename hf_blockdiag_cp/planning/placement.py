@@ -23,8 +23,8 @@ sliding window ``w``); a rank's work is the sum over its queries, averaged over 
 from __future__ import annotations
 
 import bisect
-import itertools
 import math
+import operator
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import cached_property
@@ -480,61 +480,101 @@ def _assign(spans: list[tuple[int, int]], parts: list[int], cp_size: int, local_
     placed: list[list[_Item]] = [[] for _ in range(cp_size)]
     spilled: list[int] = []
     # The rank of each item is the first in (load, -room, rank) order that has room for it, preferring ranks not
-    # holding the document already. ``order`` keeps the ranks with room in that order (a sorted list: one bisect
-    # out and one in per item), so the scan stops at the first fitting rank, skipping only nearly full ones.
+    # holding the document already. The ranks with room are kept in that order in buckets by room (``shelves[b]``:
+    # rooms of bit length b, i.e. in [2^(b-1), 2^b), each a sorted list: one bisect out and one in per item). An
+    # item of t tokens fits every rank of the shelves above t's (their first entry is their first fit), none below,
+    # and is looked for only in its own shelf: the first fit overall is the least of these few candidates, found
+    # without walking past the nearly full ranks that lead the load order.
     # A rank whose room is below the tokens of every item left can never be chosen again (rooms only shrink), so it
-    # leaves ``order``: when its room drops below them, or when they grow (``alive[i]``: the least tokens of items
-    # i, i + 1, ...; it only grows). Only ranks that fit no item left leave: every scan finds the same rank.
-    order = [(0.0, -local_len, r) for r in range(cp_size)]
-    alive = list(itertools.accumulate(reversed([-key[1] for key in keyed]), min))[::-1]
+    # leaves the shelves: when its room drops below them, or when they grow (``alive[i]``: the least tokens of
+    # items i, i + 1, ...; it only grows). Only ranks that fit no item left leave: every search finds the same rank.
+    shelves: list[list[tuple[float, int, int]]] = [[] for _ in range(local_len.bit_length() + 1)]
+    shelves[-1] = [(0.0, -local_len, r) for r in range(cp_size)]
+    top = len(shelves)  # shelves[top:] are empty (rooms only shrink: ``top`` only falls, but for a spill)
+    negative = np.fromiter(map(operator.itemgetter(1), keyed), dtype=np.int64, count=len(keyed))
+    alive = (-np.maximum.accumulate(negative[::-1])[::-1]).tolist()
     alive.append(0)
     threshold = 0
-    ranks_of: dict[int, list[int]] = {}
+    ranks_of: dict[int, set[int]] = {}  # a set: split documents can span many ranks
     bisect_left, insort = bisect.bisect_left, bisect.insort
     for i, (_, neg_tokens, doc, _, item) in enumerate(keyed):
         if alive[i] > threshold:
             threshold = alive[i]
-            order = [entry for entry in order if -entry[1] >= threshold]
-        rank = None
-        holding = ranks_of.get(doc, ())
-        if neg_tokens == 0:  # fits a full rank too (not in ``order``): look at every rank
+            shelves = [[entry for entry in shelf if -entry[1] >= threshold] for shelf in shelves]
+        rank = home = None
+        multi = parts[doc] > 1  # a whole document is one item: no other item of it to keep apart
+        holding = ranks_of.get(doc, ()) if multi else ()
+        if neg_tokens == 0:  # fits a full rank too (not on a shelf): look at every rank
             fits = [r for r in range(cp_size) if r not in holding] or list(range(cp_size))
             rank = min(fits, key=lambda r: (load[r], -room[r]))
-        elif not holding:  # entries carry -room: a rank fits when -room <= -tokens
-            for _, neg_room, r in order:
-                if neg_room <= neg_tokens:
-                    rank = r
-                    break
         else:
-            first_fit = None
-            for _, neg_room, r in order:
-                if neg_room <= neg_tokens:
-                    if r not in holding:
-                        rank = r
-                        break
-                    if first_fit is None:
-                        first_fit = r
-            if rank is None:
-                rank = first_fit
+            own = (-neg_tokens).bit_length()
+            best = home = None  # entries carry -room: a rank fits when -room <= -tokens
+            if not holding:
+                if own < top:
+                    for entry in shelves[own]:
+                        if entry[1] <= neg_tokens:
+                            best, home = entry, shelves[own]
+                            break
+                for shelf in shelves[own + 1:top]:
+                    if shelf and (best is None or shelf[0] < best):
+                        best, home = shelf[0], shelf
+            else:
+                first_fit = None
+                for entry in shelves[own] if own < top else ():
+                    if entry[1] <= neg_tokens:
+                        if entry[2] not in holding:
+                            best = entry
+                            break
+                        if first_fit is None:
+                            first_fit = entry
+                for b in range(own + 1, top):
+                    shelf = shelves[b]
+                    if not shelf:
+                        continue
+                    if first_fit is None or shelf[0] < first_fit:
+                        first_fit = shelf[0]
+                    for entry in shelf:
+                        if entry[2] not in holding:
+                            if best is None or entry < best:
+                                best = entry
+                            break
+                if best is None:
+                    best = first_fit
+            if best is not None:
+                rank = best[2]
+                home = shelves[(-best[1]).bit_length()] if home is None else home
         if rank is None:
             _spill(item, spans[doc][0], windows, load, room, placed)
             spilled.append(doc)
-            order = sorted((load[r], -room[r], r) for r in range(cp_size) if 0 < room[r] >= alive[i + 1])
+            shelves = [[] for _ in shelves]
+            for r in range(cp_size):
+                if 0 < room[r] >= alive[i + 1]:
+                    shelves[room[r].bit_length()].append((load[r], -room[r], r))
+            for shelf in shelves:
+                shelf.sort()
+            top = len(shelves)
             threshold = alive[i + 1]
             continue
         left = room[rank]
-        if left >= threshold and left > 0:
-            del order[bisect_left(order, (load[rank], -left, rank))]
+        if home is not None:  # the chosen entry, on its shelf
+            del home[bisect_left(home, best)]
+        elif left >= threshold and left > 0:
+            shelf = shelves[left.bit_length()]
+            del shelf[bisect_left(shelf, (load[rank], -left, rank))]
         placed[rank].append(item)
         if holding:
-            holding.append(rank)
-        else:
-            ranks_of[doc] = [rank]
+            holding.add(rank)
+        elif multi:
+            ranks_of[doc] = {rank}
         load[rank] += item.work
         left += neg_tokens
         room[rank] = left
         if left > 0 and left >= alive[i + 1]:  # a full rank fits nothing more (every other item holds a token)
-            insort(order, (load[rank], -left, rank))
+            insort(shelves[left.bit_length()], (load[rank], -left, rank))
+        if home is not None and not home:  # the top shelf may be empty now
+            while top and not shelves[top - 1]:
+                top -= 1
     return placed, load, room, spilled
 
 
@@ -586,16 +626,20 @@ def _improve(placed: list[list[_Item]], load: list[float], room: list[int], *, s
         peak_load = load[worst]
         a_work, a_tokens = works[worst, 1:count + 1, None, None], tokens[worst, 1:count + 1, None, None]  # [i,1,1]
         # [i, r, slot]: item i of the worst rank for item ``slot`` of rank r (slot 0: the move).
-        scores = np.maximum(peak_load - a_work + works, loads[:, None] + a_work - works)
-        fits = works < a_work  # a padded slot has infinite work: never lighter
-        fits[:, :, 0] = True
-        fits &= rooms[:, None] + tokens >= a_tokens
-        fits &= room[worst] + a_tokens >= tokens
-        fits &= scores < peak_load
-        fits[:, worst] = False
-        scores = np.where(fits, scores, np.inf)
+        scores = peak_load - a_work + works
+        np.maximum(scores, loads[:, None] + a_work - works, out=scores)
+        # Candidates that do not fit score infinity (in place, no copies). The first least score is the first best
+        # candidate if it lowers the peak; else no candidate does (so the test ``score < peak`` comes last, once).
+        unfit = works >= a_work  # a swap needs a lighter item; a padded slot has infinite work: never lighter
+        unfit[:, :, 0] = False
+        # Room on both sides: -room[worst] <= a_tokens - tokens <= rooms[r], as one unsigned comparison (a value below
+        # the lower bound wraps past every upper bound).
+        spare = (room[worst] + a_tokens - tokens).view(np.uint64)
+        unfit |= spare > (rooms + room[worst]).astype(np.uint64)[:, None]
+        unfit[:, worst] = True
+        np.putmask(scores, unfit, np.inf)
         flat = int(np.argmin(scores))
-        if scores.flat[flat] == np.inf:
+        if not scores.flat[flat] < peak_load:
             return
         i, r, slot = np.unravel_index(flat, scores.shape)
         i, r, j = int(i), int(r), None if slot == 0 else int(slot) - 1
