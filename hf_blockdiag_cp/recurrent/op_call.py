@@ -7,12 +7,13 @@ op's output is laid back out as the model's function returns it. So one op call 
 (CP = 1). Under CP (:func:`run_cp_ops`), every rank
 
 1. runs the fragments that start their document from a zero state in one call (their end states are summaries:
-   the same as :mod:`.state_passing`'s, so the formula for the bytes moved is unchanged). A delta-rule / KDA
-   fragment that continues AND sends runs once here, augmented (:func:`_augmented_pass`: its transition and what
-   the incoming state adds to its outputs come out of the same call); an SSD / Mamba1 one runs from zero for its end
-   state, with its decay from the op's transition helper (a sum), and again in step 3;
+   the same as :mod:`.state_passing`'s, so the formula for the bytes moved is unchanged). Every delta-rule / KDA
+   fragment that continues runs once here too, augmented (:func:`_augmented_pass`: its transition and what the
+   incoming state adds to its outputs come out of the same call), so no rank waits after the gather while another
+   runs its continuing fragments; an SSD / Mamba1 one that continues and sends runs from zero for its end state,
+   with its decay from the op's transition helper (a sum), and again in step 3;
 2. gathers the summaries (:func:`~.summaries.gather_summaries`, one all-gather per layer and direction);
-3. runs the continuing fragments once, in one call, from the states composed in document order
+3. runs the other continuing fragments (SSD, Mamba1) once, in one call, from the states composed in document order
    (:func:`~.state_passing.compose`), and adds ``S_in^T Q_t`` to the augmented ones.
 
 The convolution's summary is its inputs, so it gathers first and runs every fragment once with its window.
@@ -190,7 +191,7 @@ def run_ops(spec: ScanFunction, backend: str, runs: LocalRuns, named: dict[str, 
 
 def _augmented_pass(spec: ScanFunction, backend: str, named: dict[str, Any], t: dict[str, torch.Tensor],
                     lens: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Delta rule / KDA fragments that continue AND send, in one zero-state pass that also yields what the incoming
+    """Delta rule / KDA fragments that continue, in one zero-state pass that also yields what the incoming
     state will add: the values get ``Dk`` zero columns and the initial state is ``[0 | I]``, so (the state map being
     linear) the extra state columns evolve as the transition ``M`` and the extra output columns are ``Q_t = M_t^T
     q_t`` (scaled), with ``o_t(S_in) = o_t(0) + S_in^T Q_t``. Returns (``o(0)`` [1, T, H, Dv] fp32, ``Q`` [1, T, H,
@@ -213,8 +214,10 @@ def _scan_cp(spec: ScanFunction, backend: str, runs: LocalRuns, named: dict[str,
     send_pos = {i: s for s, i in enumerate(sending)}
     sources = plan.sources[rank]
     delta = spec.kind in ("delta", "kda")
-    # delta rule / KDA: continuing senders run once, augmented (no transition pass, no rerun)
-    augmented = [i for i, f in enumerate(frags) if f.continues and i in send_pos] if delta else []
+    # delta rule / KDA: every continuing fragment runs once, augmented, BEFORE the gather (no transition pass, no
+    # rerun); after it only the incoming state's part is added. Run after the gather, a continuing fragment would keep
+    # the rank that sent its state idle meanwhile (the ranks would take turns on every layer).
+    augmented = [i for i, f in enumerate(frags) if f.continues] if delta else []
     first_pass = [i for i, f in enumerate(frags) if (not f.continues or i in send_pos) and i not in augmented]
     later = [i for i in sorted(sources) if i not in augmented]
     pieces: dict[int, torch.Tensor] = {}  # fragment -> its final output [1, n, ...]
@@ -248,7 +251,8 @@ def _scan_cp(spec: ScanFunction, backend: str, runs: LocalRuns, named: dict[str,
         lens = [frags[i].length for i in augmented]
         o0, q_read, end, m = _augmented_pass(spec, backend, named, _select(row.tensors, index(augmented)), lens)
         for j, (i, o_i, q_i) in enumerate(zip(augmented, o0.split(lens, dim=1), q_read.split(lens, dim=1))):
-            summarise(i, end[j], m[j])
+            if i in send_pos:
+                summarise(i, end[j], m[j])
             corrections[i] = (o_i, q_i)
     gathered = gather_summaries(runs, summaries, width, device)
     out_dtype = named["query"].dtype if delta else None
