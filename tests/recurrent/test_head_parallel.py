@@ -24,6 +24,7 @@ import pytest
 import torch
 
 from tests.launch import run_ranks
+from tests.recurrent.cp_step import assert_matches_documents_alone, cp_step
 
 SEQ_LEN = 48  # divisible by 2P for zigzag at P = 2, 4
 DOCS = [5, 21, 1, 9, 12]  # 48 tokens: the 21-token document spans several ranks
@@ -89,10 +90,8 @@ def _collator(model, ulysses_size: int, placement: str, layout: str, groups):
 
 
 def _worker(rank: int, world: int) -> dict:
-    import torch.distributed as dist
 
     import hf_blockdiag_cp as bd
-    from hf_blockdiag_cp import comm_stats
     from hf_blockdiag_cp.conformance.runs import build_model
     from tests.reference import documents_alone
 
@@ -107,24 +106,12 @@ def _worker(rank: int, world: int) -> dict:
         if checkpointing:
             model.activation_checkpointing_enable()
         batch = _collator(model, u, placement, layout, groups)([{"input_ids": d.tolist()} for d in docs])
-        ctx = batch["cp_context"]
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
-            out = model(**batch)
-        sent_forward = sum(s for phase, s, _ in comm_stats(ctx).per_call if phase == "forward")
-        out.loss.backward()
-        for p in model.parameters():
-            dist.all_reduce(p.grad)
+        step = cp_step(model, batch, bf16)
         key = f"{kind}/{placement}/ckpt={checkpointing}/u={u}/{layout}/{len(lengths)}docs/bf16={bf16}"
-        real = ctx.doc_ids[0, ctx.local_index] != 0
-        tol = dict(rtol=3e-2, atol=3e-2) if bf16 else dict(rtol=1e-4, atol=1e-5)
-        torch.testing.assert_close(out.logits[0][real].float(), ref_logits[ctx.local_index[real]], **tol,
-                                   msg=lambda m: f"{key} logits vs documents alone: {m}")
-        gtol = dict(rtol=5e-2, atol=5e-3) if bf16 else dict(rtol=1e-4, atol=1e-6)
-        for name, p in model.named_parameters():
-            torch.testing.assert_close(p.grad, ref_grads[name], **gtol,
-                                       msg=lambda m, n=name: f"{key} grad {n} vs documents alone: {m}")
-        report[key] = dict(u=ctx.ulysses_size, sent_forward=sent_forward, padding_only=not bool(real.any()),
-                           expected=fallback_bytes(model, ctx.local_len, world) if kind == "bamba" else None)
+        assert_matches_documents_alone(key, step, model, ref_logits, ref_grads, bf16)
+        report[key] = dict(u=step.ctx.ulysses_size, sent_forward=step.sent_forward,
+                           padding_only=not bool(step.real.any()),
+                           expected=fallback_bytes(model, step.ctx.local_len, world) if kind == "bamba" else None)
     if world == 2:
         report["refusal"] = _refusal(rank)
         report["mismatch"] = _mismatch(rank)

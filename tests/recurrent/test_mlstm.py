@@ -28,6 +28,7 @@ from hf_blockdiag_cp.model.detect import packing_refusal
 from hf_blockdiag_cp.recurrent.functions import SCAN_MODULES
 from hf_blockdiag_cp.recurrent.install import INSTALLED_ATTR
 from tests.launch import run_ranks
+from tests.recurrent.cp_step import assert_matches_documents_alone, cp_step, packed_batch
 from tests.reference import documents_alone
 
 
@@ -109,9 +110,7 @@ CASES = [("xlstm", "zigzag", False, False), ("xlstm", "balanced", True, False), 
 
 
 def _worker(rank: int, world: int) -> dict:
-    import torch.distributed as dist
 
-    import hf_blockdiag_cp as bd
     from hf_blockdiag_cp.recurrent.runs import _cached_plan
 
     report = {}
@@ -127,32 +126,19 @@ def _worker(rank: int, world: int) -> dict:
             model = build_model(config, "blockdiag_cp").train()
             if checkpointing:
                 model.activation_checkpointing_enable()
-            collator = bd.PackingCollator(SEQ_LEN, group=dist.group.WORLD, pad_token_id=0, placement=placement,
-                                          config=bd.BlockDiagCPConfig(collective_timeout_s=60))
-            batch = collator([{"input_ids": d.tolist()} for d in docs])
-            ctx = batch["cp_context"]
-            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
-                out = model(**batch)
-            out.loss.backward()
-            for p in model.parameters():
-                dist.all_reduce(p.grad)
+            step = cp_step(model, packed_batch(docs, SEQ_LEN, placement), bf16)
             key = f"{layout}/{kind}/{placement}/ckpt={checkpointing}/bf16={bf16}"
-            real = ctx.doc_ids[0, ctx.local_index] != 0
-            ours, want = out.logits[0][real].float(), ref_logits[ctx.local_index[real]]
             if bf16:
+                ours, want = step.out.logits[0][step.real].float(), ref_logits[step.ctx.local_index[step.real]]
                 bound = (stock_logits - ref_logits).abs().max().item()
                 if ours.numel():
                     assert (ours - want).abs().max().item() <= 2 * bound + 1e-3, (key, bound)
                 grads = {n: p.grad for n, p in model.named_parameters()}
                 assert grad_error(grads, ref_grads) <= 2 * grad_error(stock_grads, ref_grads) + 1e-3, key
             else:
-                torch.testing.assert_close(ours, want, rtol=1e-4, atol=1e-5,
-                                           msg=lambda m: f"{key} logits vs documents alone: {m}")
-                for name, p in model.named_parameters():
-                    torch.testing.assert_close(p.grad, ref_grads[name], rtol=1e-4, atol=1e-6,
-                                               msg=lambda m, n=name: f"{key} grad {n} vs documents alone: {m}")
-            plan = _cached_plan(ctx)
-            report[key] = dict(continuing=len(plan.sources[rank]), padding_only=not bool(real.any()))
+                assert_matches_documents_alone(key, step, model, ref_logits, ref_grads)
+            plan = _cached_plan(step.ctx)
+            report[key] = dict(continuing=len(plan.sources[rank]), padding_only=not bool(step.real.any()))
     return report
 
 

@@ -34,6 +34,7 @@ from hf_blockdiag_cp.recurrent.functions import METHODS, WINDOWED, conv_window
 from hf_blockdiag_cp.recurrent.install import INSTALLED_ATTR, uninstall_recurrent
 from hf_blockdiag_cp.recurrent.state_passing import _transition, compose, summary_width
 from tests.launch import run_ranks
+from tests.recurrent.cp_step import assert_matches_documents_alone, cp_step, packed_batch
 from tests.reference import documents_alone
 
 KIND = "recurrent_gemma"
@@ -189,10 +190,7 @@ def expected_bytes(model: torch.nn.Module, slots: int, cp_size: int) -> int:
 
 
 def _worker(rank: int, world: int) -> dict:
-    import torch.distributed as dist
 
-    import hf_blockdiag_cp as bd
-    from hf_blockdiag_cp import comm_stats
     from hf_blockdiag_cp.recurrent.runs import _cached_plan
 
     config = tiny_config(KIND)
@@ -210,28 +208,12 @@ def _worker(rank: int, world: int) -> dict:
             model = build_model(cfg, "blockdiag_cp").train()
             if checkpointing:
                 model.activation_checkpointing_enable()
-            collator = bd.PackingCollator(SEQ_LEN, group=dist.group.WORLD, pad_token_id=0, placement=placement,
-                                          config=bd.BlockDiagCPConfig(collective_timeout_s=60))
-            batch = collator([{"input_ids": d.tolist()} for d in docs])
-            ctx = batch["cp_context"]
-            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
-                out = model(**batch)
-            sent_forward = sum(s for phase, s, _ in comm_stats(ctx).per_call if phase == "forward")
-            out.loss.backward()
-            for p in model.parameters():
-                dist.all_reduce(p.grad)
-            real = ctx.doc_ids[0, ctx.local_index] != 0
-            tol = dict(rtol=3e-2, atol=3e-2) if bf16 else dict(rtol=1e-4, atol=1e-5)
-            torch.testing.assert_close(out.logits[0][real].float(), ref.logits[ctx.local_index[real]], **tol,
-                                       msg=lambda m: f"{key} logits vs documents alone: {m}")
-            gtol = dict(rtol=5e-2, atol=5e-3) if bf16 else dict(rtol=1e-4, atol=1e-6)
-            for name, p in model.named_parameters():
-                torch.testing.assert_close(p.grad, ref.grads[name], **gtol,
-                                           msg=lambda m, n=name: f"{key} grad {n} vs documents alone: {m}")
-            plan = _cached_plan(ctx)
-            report[key] = dict(continuing=len(plan.sources[rank]), padding_only=not bool(real.any()),
+            step = cp_step(model, packed_batch(docs, SEQ_LEN, placement), bf16)
+            assert_matches_documents_alone(key, step, model, ref.logits, ref.grads, bf16)
+            plan = _cached_plan(step.ctx)
+            report[key] = dict(continuing=len(plan.sources[rank]), padding_only=not bool(step.real.any()),
                                out_of_order=list(plan.send[rank]) != sorted(plan.send[rank]),
-                               sent_forward=sent_forward, recurrent_only=cfg is recurrent_only,
+                               sent_forward=step.sent_forward, recurrent_only=cfg is recurrent_only,
                                expected=expected_bytes(model, plan.slots, world))
     return report
 
