@@ -24,7 +24,7 @@ import pytest
 import torch
 
 from tests.launch import run_ranks
-from tests.recurrent.cp_step import assert_matches_documents_alone, cp_step
+from tests.recurrent.harness import assert_matches_documents_alone, cp_step
 
 SEQ_LEN = 48  # divisible by 2P for zigzag at P = 2, 4
 DOCS = [5, 21, 1, 9, 12]  # 48 tokens: the 21-token document spans several ranks

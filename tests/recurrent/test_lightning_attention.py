@@ -22,18 +22,15 @@ from hf_blockdiag_cp.conformance.configs import tiny_config
 from hf_blockdiag_cp.conformance.runs import (
     VARIANTS,
     build_model,
-    grad_error,
     make_documents,
     packed_inputs,
-    packed_run,
-    reference_run,
 )
 from hf_blockdiag_cp.model.detect import packing_refusal
 from hf_blockdiag_cp.recurrent.functions import STATEFUL
 from hf_blockdiag_cp.recurrent.install import INSTALLED_ATTR, uninstall_recurrent
 from hf_blockdiag_cp.recurrent.state_passing import _HandedState, compose_stateful, stateful_decay
 from tests.launch import run_ranks
-from tests.recurrent.cp_step import assert_matches_documents_alone, cp_step, packed_batch
+from tests.recurrent.harness import assert_matches_documents_alone, assert_packed_rows_match, cp_step, packed_batch
 from tests.reference import documents_alone
 
 KIND = "minimax"
@@ -46,12 +43,7 @@ def _check(variants: tuple[str, ...], control: bool) -> None:
     stock = build_model(config, None)
     ours = build_model(config, "blockdiag_cp")
     docs = make_documents(config)
-    ref_logits, ref_grads = reference_run(stock, docs)
-    for variant in variants:
-        logits, grads = packed_run(ours, docs, packed_inputs(docs, variant, config.pad_token_id or 0))
-        err = (logits - ref_logits).abs().max().item() / ref_logits.abs().max().item()
-        assert err < 1e-5, f"{variant}: logits differ by {err:.2e}"
-        assert grad_error(grads, ref_grads) < 1e-4, f"{variant}: gradients differ"
+    ref_logits, _ = assert_packed_rows_match(stock, ours, docs, config.pad_token_id or 0, variants)
     if control:  # the same row with the served forward removed: the recurrence runs over the whole row
         uninstall_recurrent(ours)
         inputs = {k: v for k, v in packed_inputs(docs, "position_ids").items() if not k.startswith("_")}

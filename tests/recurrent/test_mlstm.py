@@ -16,19 +16,15 @@ import torch
 
 from hf_blockdiag_cp.conformance.configs import tiny_config
 from hf_blockdiag_cp.conformance.runs import (
-    VARIANTS,
     build_model,
     grad_error,
     make_documents,
-    packed_inputs,
-    packed_run,
-    reference_run,
 )
 from hf_blockdiag_cp.model.detect import packing_refusal
 from hf_blockdiag_cp.recurrent.functions import SCAN_MODULES
 from hf_blockdiag_cp.recurrent.install import INSTALLED_ATTR
 from tests.launch import run_ranks
-from tests.recurrent.cp_step import assert_matches_documents_alone, cp_step, packed_batch
+from tests.recurrent.harness import assert_matches_documents_alone, assert_packed_rows_match, cp_step, packed_batch
 from tests.reference import documents_alone
 
 
@@ -53,12 +49,7 @@ def test_packed_rows_equal_each_document_alone() -> None:
     config = _config()
     stock, ours = build_model(config, None), build_model(config, "blockdiag_cp")
     docs = make_documents(config, lengths=(7, 23, 1, 18, 12))  # longer than a chunk (16)
-    ref_logits, ref_grads = reference_run(stock, docs)
-    for variant in VARIANTS:
-        logits, grads = packed_run(ours, docs, packed_inputs(docs, variant, config.pad_token_id or 0))
-        err = (logits - ref_logits).abs().max().item() / ref_logits.abs().max().item()
-        assert err < 1e-5, f"{variant}: logits differ by {err:.2e}"
-        assert grad_error(grads, ref_grads) < 1e-4, f"{variant}: gradients differ"
+    assert_packed_rows_match(stock, ours, docs, config.pad_token_id or 0)
 
 
 def test_mlstm_composition_matches_the_whole_document_in_float64() -> None:

@@ -19,9 +19,7 @@ import torch
 
 from hf_blockdiag_cp.conformance.configs import tiny_config
 from hf_blockdiag_cp.conformance.runs import (
-    VARIANTS,
     build_model,
-    grad_error,
     make_documents,
     packed_inputs,
     packed_run,
@@ -30,6 +28,7 @@ from hf_blockdiag_cp.conformance.runs import (
 from hf_blockdiag_cp.model.detect import packing_refusal
 from hf_blockdiag_cp.recurrent.functions import COMPOSITES, FUSED, SCANS, WINDOWED, mixer_functions
 from hf_blockdiag_cp.recurrent.install import INSTALLED_ATTR, check_signature, uninstall_recurrent
+from tests.recurrent.harness import assert_packed_rows_match
 
 # The quick loop keeps one gated-delta-rule + convolution model and one short-convolution model (a few seconds
 # each); the other families (5-11 s each) run in the full suite.
@@ -42,13 +41,7 @@ def _check(model_type: str) -> None:
     config = tiny_config(model_type)
     stock = build_model(config, None)
     ours = build_model(config, "blockdiag_cp")
-    docs = make_documents(config)
-    ref_logits, ref_grads = reference_run(stock, docs)
-    for variant in VARIANTS:
-        logits, grads = packed_run(ours, docs, packed_inputs(docs, variant, config.pad_token_id or 0))
-        err = (logits - ref_logits).abs().max().item() / ref_logits.abs().max().item()
-        assert err < 1e-5, f"{model_type} {variant}: logits differ by {err:.2e}"
-        assert grad_error(grads, ref_grads) < 1e-4, f"{model_type} {variant}: gradients differ"
+    assert_packed_rows_match(stock, ours, make_documents(config), config.pad_token_id or 0, label=model_type)
 
 
 @pytest.mark.parametrize("model_type", FAST)

@@ -17,7 +17,7 @@ import torch
 from hf_blockdiag_cp.planning.fragments import plan_fragments
 from hf_blockdiag_cp.planning.placement import make_placement
 from tests.launch import run_ranks
-from tests.recurrent.cp_step import assert_matches_documents_alone, cp_step, packed_batch
+from tests.recurrent.harness import assert_matches_documents_alone, cp_step, packed_batch
 from tests.reference import documents_alone
 
 SEQ_LEN = 48  # divisible by 2P for zigzag at P = 2, 4

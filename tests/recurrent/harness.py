@@ -1,7 +1,7 @@
-"""One CP training step of a tiny model on gloo ranks, checked against each document alone (shared by the recurrent
-tests' multi-rank workers; a harness, not a test file).
+"""Shared checks of the recurrent tests (a harness, not a test file): a packed row at CP = 1 in every batch form, and
+one CP training step of a tiny model on gloo ranks, both against each document alone.
 
-The step: the packed batch through ``model(**batch)`` (under bf16 autocast if asked), ``loss.backward()``, every
+The CP step: the packed batch through ``model(**batch)`` (under bf16 autocast if asked), ``loss.backward()``, every
 parameter gradient all-reduced over the ranks (the sum of the ranks' parts is the whole row's gradient). The check:
 the logits of this rank's real tokens (mapped back through ``local_index``) and every gradient against
 :func:`tests.reference.documents_alone`'s, with the tolerances the recurrent tests state (bf16: loose).
@@ -13,6 +13,23 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+
+from hf_blockdiag_cp.conformance.runs import VARIANTS, grad_error, packed_inputs, packed_run, reference_run
+
+
+def assert_packed_rows_match(stock: torch.nn.Module, ours: torch.nn.Module, docs: list[torch.Tensor], pad_id: int,
+                             variants: tuple[str, ...] = VARIANTS, label: str = ""
+                             ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """The packed row of ``docs`` through ``ours`` (``attn_implementation="blockdiag_cp"``) in each batch form of
+    ``variants`` equals each document alone through ``stock``: logits within 1e-5 of their largest, gradients within
+    1e-4 (relative). Returns the reference ``(logits [T, V], gradients)``."""
+    ref_logits, ref_grads = reference_run(stock, docs)
+    for variant in variants:
+        logits, grads = packed_run(ours, docs, packed_inputs(docs, variant, pad_id))
+        err = (logits - ref_logits).abs().max().item() / ref_logits.abs().max().item()
+        assert err < 1e-5, f"{label} {variant}: logits differ by {err:.2e}"
+        assert grad_error(grads, ref_grads) < 1e-4, f"{label} {variant}: gradients differ"
+    return ref_logits, ref_grads
 
 
 @dataclass
