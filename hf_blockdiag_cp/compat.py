@@ -21,10 +21,78 @@ from torch.distributed.distributed_c10d import _resolve_process_group, _set_pg_t
 __all__ = ["CPU_FLASH_ATTENTION", "CPU_FLASH_ATTENTION_BACKWARD", "MASK_CLOSURES", "SFT_TRAINER_PRIVATE_METHODS",
            "TRAINER_PRIVATE_METHODS", "accelerate_dispatching_processes", "accelerate_prepared", "backend_options",
            "backend_timeouts", "cache_eval_dataloader", "can_set_attn_implementation", "check_sft_trainer_internals",
-           "check_trainer_internals", "config_attn_implementation", "forget_accelerate_prepared", "forward_hooks",
-           "in_autograd_backward", "model_from_config", "resolve_process_group", "set_group_timeout"]
+           "check_trainer_internals", "config_attn_implementation",
+           "encoder_output_is_sequence", "forget_accelerate_prepared", "forward_hooks",
+           "in_autograd_backward", "model_from_config", "resolve_process_group", "rope_index_function",
+           "set_group_timeout"]
 
 # ---- transformers -----------------------------------------------------------------------------------------
+
+#: Vision-language models: the names the package relies on to carry images (tests/package/test_compat.py).
+#: - ``get_rope_index(self, input_ids, mm_token_type_ids, image_grid_thw=, video_grid_thw=, ...)`` of the base model
+#:   class (``MODEL_MAPPING_NAMES[model_type]``), which reads only ``self.config`` and
+#:   ``self.get_vision_position_ids``: run on a stand-in holding the config (:func:`rope_index_function`).
+#: - ``mm_encoder_outputs={"image": ..., "video": ...}``: the forward keyword through which a VLM takes encoder
+#:   outputs instead of pixels (each a ``get_image_features`` / ``get_video_features`` output whose
+#:   ``pooler_output`` holds the feature rows in placeholder order, qwen3_vl's ``deepstack_features`` too).
+MULTIMODAL_ENCODER_KEYWORD = "mm_encoder_outputs"
+
+
+def rope_index_function(config: Any) -> Any:
+    """``config``'s model's ``get_rope_index`` as a function of its inputs (mrope models), else ``None``."""
+    import transformers
+    from transformers.models.auto.modeling_auto import MODEL_MAPPING_NAMES
+
+    name = MODEL_MAPPING_NAMES.get(getattr(config, "model_type", None))
+    cls = getattr(transformers, name, None) if isinstance(name, str) else None
+    if cls is None or not hasattr(cls, "get_rope_index") or not hasattr(cls, "get_vision_position_ids"):
+        return None
+    stand_in = object.__new__(cls)  # no parameters: the method reads self.config and a method of the class only
+    stand_in.__dict__.update(config=config, _modules={}, _parameters={}, _buffers={})
+    return _RopeIndex(name, stand_in.get_rope_index)
+
+
+def encoder_output_is_sequence(model: Any) -> bool:
+    """Whether ``model``'s forward reads ``mm_encoder_outputs["image"].pooler_output`` as a sequence of per-item
+    tensors (it concatenates them: llava, the Qwen family) rather than as one tensor (gemma3, internvl, paligemma).
+
+    Read from the source of the forward that consumes it (the innermost module whose forward does); cached per
+    class. A forward that accepts both (idefics3, smolvlm) is given a sequence.
+    """
+    for module in model.modules():
+        cls = type(module)
+        if cls not in _SEQUENCE_FORMAT:
+            try:
+                source = inspect.getsource(cls.forward)
+            except (OSError, TypeError):
+                source = ""
+            at = source.find('mm_encoder_outputs["image"].pooler_output')
+            _SEQUENCE_FORMAT[cls] = None if at < 0 else "torch.cat(" in source[max(0, at - 20):at + 400]
+        if _SEQUENCE_FORMAT[cls] is not None:
+            return bool(_SEQUENCE_FORMAT[cls])
+    return True
+
+
+#: Per model class: does its forward concatenate ``pooler_output`` (``None``: it does not read it). This module's
+#: one cache (classes are few and live as long as the process).
+_SEQUENCE_FORMAT: dict[type, bool | None] = {}
+
+
+class _RopeIndex:
+    """A model class's ``get_rope_index`` bound to a stand-in (picklable by the collator: the config goes along)."""
+
+    def __init__(self, name: str, method: Any) -> None:
+        self.name, self.method = name, method
+
+    def __reduce__(self) -> tuple[Any, tuple[Any]]:
+        return rope_index_function, (self.method.__self__.config,)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.method(*args, **kwargs)
+
+    def __repr__(self) -> str:
+        return f"{self.name}.get_rope_index"
+
 
 #: ``transformers.masking_utils`` mask building blocks as attention/mask_spec.py recognises them: role ->
 #: the ``__qualname__`` of the function (or of the closure the factory returns). Their closure variables

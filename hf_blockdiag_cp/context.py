@@ -25,8 +25,9 @@ from .distributed.groups import GroupRef, group_to_ref, ref_to_group
 from .planning import PlanError, VarlenPlan, as_doc_ids, build_varlen_plan
 from .planning.documents import arange, document_runs
 from .planning.exchange import ExchangePlan, plan_exchange
-from .planning.fingerprint import data_fingerprint, plan_fingerprint, shard_checksum
+from .planning.fingerprint import data_fingerprint, fingerprint, plan_fingerprint, shard_checksum
 from .planning.layout import HeadShape, LayoutPlan, plan_layout
+from .planning.media import MediaTransfer
 from .planning.placement import Placement, make_placement
 
 __all__ = ["BlockDiagCPContext"]
@@ -69,6 +70,8 @@ class BlockDiagCPContext:
             receive, ``-1`` where the collator did not give that tensor (``()`` on one rank); every forward's
             agreement compares them with what the forward actually got. Only this rank's: computing every
             rank's would be a pass over the whole row, and no rank checks another's tensors.
+        media: this rank's :class:`~hf_blockdiag_cp.planning.media.MediaTransfer` (CP > 1, rows with images or
+            videos): the items it encodes and where their feature rows go; ``None`` otherwise.
 
     One attribute is not a field (not compared, not pickled, not carried by ``dataclasses.replace``):
     ``origin``, the context a device copy was made from by :meth:`to` (``None`` on the context the
@@ -95,6 +98,7 @@ class BlockDiagCPContext:
     head_group: Any = None
     seq_group: Any = None
     shard_checksum: tuple[int, ...] = ()
+    media: MediaTransfer | None = None
     if TYPE_CHECKING:  # set by __post_init__ / to(), not a dataclass field
         origin: BlockDiagCPContext | None
 
@@ -124,7 +128,8 @@ class BlockDiagCPContext:
                 window; a layer whose window was not planned uses the full plans (exact, more bytes).
                 The balanced placement's work model averages over them.
             position_ids: the full rows' ``[S]`` / ``[B, S]`` position ids, if known: under CP they are
-                part of the step (a rank-local ``arange`` is wrong on every rank but the first).
+                part of the step (a rank-local ``arange`` is wrong on every rank but the first). mrope models'
+                ``[4, B, S]`` (text row, then the three rope rows) are sharded and checked the same way.
             heads: the attention layers' head geometry; needed when ``config.ulysses_size != 1``.
             ulysses_groups: the :class:`~hf_blockdiag_cp.distributed.ulysses.UlyssesGroups` made at setup
                 (:func:`hf_blockdiag_cp.ulysses_groups`); needed when a step chooses ``u > 1``.
@@ -143,7 +148,7 @@ class BlockDiagCPContext:
         if position_ids is not None:
             positions = torch.as_tensor(position_ids).detach().to("cpu", torch.int64)
             positions = positions.expand(ids.shape[0], -1) if positions.dim() == 1 else positions
-            if positions.shape != ids.shape:
+            if positions.shape[-2:] != ids.shape or positions.dim() not in (2, 3):
                 raise ValueError(f"position_ids has shape {tuple(positions.shape)} but doc_ids has "
                                  f"{tuple(ids.shape)}; both describe the full rows")
             positions = positions.contiguous()
@@ -246,6 +251,12 @@ class BlockDiagCPContext:
         object.__setattr__(moved, "origin", self if self.origin is None else self.origin)
         return moved
 
+    def with_media(self, media: MediaTransfer) -> BlockDiagCPContext:
+        """This context with its row's media exchange; the plan joins the data fingerprint (ranks that planned
+        different encoders or feature rows fail the step's agreement before any exchange)."""
+        fp = fingerprint(self.data_fingerprint.to_bytes(8, "little"), media.key)
+        return dataclasses.replace(self, media=media, data_fingerprint=fp)
+
     def check_local(self, batch_size: int, local_len: int) -> None:
         """Raise if an attention call's local shapes disagree with this context."""
         if batch_size != self.batch_size or local_len != self.local_len:
@@ -269,7 +280,7 @@ def _own_shard(local_index: torch.Tensor, tokens: torch.Tensor | None,
     """This rank's share of the full rows ``tokens`` / ``positions`` (``[B, S]`` or ``None``): its ``[B, L]``
     position ids and the checksums of the ``input_ids`` / ``position_ids`` shard its forward must receive (``-1``:
     not known); gathers of its ``L`` positions, no pass over the row."""
-    local_positions = None if positions is None else positions.index_select(1, local_index)
+    local_positions = None if positions is None else positions.index_select(positions.dim() - 1, local_index)
     sums = (-1 if tokens is None else int(shard_checksum(tokens.index_select(1, local_index))),
             -1 if local_positions is None else int(shard_checksum(local_positions)))
     return {"local_position_ids": local_positions, "shard_checksum": sums}

@@ -59,6 +59,7 @@ class StepRuntime:
         backends: the backend chosen per kernel spec in this step.
         exchanges: this rank's device-ready exchange per device and planned window (``None``: nothing moves).
         comm: bytes moved by this step's K/V exchanges (and head all-to-alls).
+        media: bytes moved by this step's image / video feature all-to-all (:mod:`hf_blockdiag_cp.model.media`).
         head_a2a: this rank's head all-to-all per device (``ulysses_size > 1`` only).
         forwards: model forwards this rank ran on the context (the forward agreement's counter; a
             gradient-checkpoint recompute runs the layers only and is not counted).
@@ -73,6 +74,7 @@ class StepRuntime:
     backends: dict[KernelSpec, str] = field(default_factory=dict)
     exchanges: dict[PlanKey, RankExchange | None] = field(default_factory=dict)
     comm: CommStats = field(default_factory=CommStats)
+    media: CommStats = field(default_factory=CommStats)
     head_a2a: dict[torch.device, HeadA2A] = field(default_factory=dict)
     forwards: int = 0
     fragments: Any = None

@@ -18,6 +18,7 @@ from ..distributed.groups import group_to_ref, ref_to_group
 from ..model.heads import head_shape
 from ..planning.layout import HeadShape
 from .examples import Document, read_example
+from .multimodal import media_spec
 from .packing import check_overflow, rows_of_documents
 from .rows import PackedRow, assemble_rows
 from .sharding import rank_batch, resolve_cp, row_multiple
@@ -60,7 +61,10 @@ class PackingCollator:
             default ``config.ulysses_size`` (``HF_BLOCKDIAG_CP_ULYSSES_SIZE``, else 1: sequence
             parallelism only). See docs/layouts.md.
         heads / model_config: the attention heads (a :class:`~hf_blockdiag_cp.planning.layout.HeadShape`),
-            or the model config (or model) to read them from; needed when ``ulysses_size != 1``.
+            or the model config (or model) to read them from; needed when ``ulysses_size != 1``. For a
+            vision-language model ``model_config`` is needed for examples with images or videos: its placeholder
+            tokens, its per-token type ids and (Qwen2-VL family, Qwen3-VL, Qwen3.5) its 3-D rope positions, built
+            per document on the host (see docs/multimodal.md).
         ulysses_groups: the subgroups from :func:`hf_blockdiag_cp.ulysses_groups`, created at setup for
             every ``u`` a step may use; needed when ``ulysses_size != 1``.
 
@@ -110,6 +114,7 @@ class PackingCollator:
         if ulysses_size is not None:
             self.config = dataclasses.replace(self.config, ulysses_size=ulysses_size)
         self.heads, self.ulysses_groups = _layout_inputs(self.config, self.cp_size, heads, model_config, ulysses_groups)
+        self.media = media_spec(model_config)
         self._layouts_logged: set[tuple[int, int]] = set()
         for window in self.sliding_windows:
             if window is not None:
@@ -154,7 +159,8 @@ class PackingCollator:
             return rows
         if len(kinds) > 1:
             raise ValueError("examples mixes PackedRow items (from PackedDataset) and plain examples")
-        docs = [read_example(e, index=i, label_pad_id=self.label_pad_id) for i, e in enumerate(examples)]
+        docs = [read_example(e, index=i, label_pad_id=self.label_pad_id, media=self.media)
+                for i, e in enumerate(examples)]
         self._check_vocabulary(docs, "example ")
         empty = [d.index for d in docs if len(d) == 0]
         if empty:
@@ -172,7 +178,7 @@ class PackingCollator:
         """
         rows = self.pack(examples)
         full = [assemble_rows([r.documents], self.seq_len, pad_token_id=self.pad_token_id,
-                              label_pad_id=self.label_pad_id) for r in rows]
+                              label_pad_id=self.label_pad_id, media=self.media) for r in rows]
         num_items = sum(f.num_items for f in full)
         return [self._log_layout(rank_batch(
             f, cp_rank=self.cp_rank, cp_size=self.cp_size, group=self.group, config=self.config,
@@ -200,7 +206,8 @@ class PackingCollator:
         # One row (always under CP): its full-row tensors go into this collator's reusable buffers; the batch and
         # context keep only copies (gathers of this rank's positions, planned runs), never the buffers.
         full = assemble_rows([r.documents for r in rows], self.seq_len, pad_token_id=self.pad_token_id,
-                             label_pad_id=self.label_pad_id, scratch=self._row_buffers() if len(rows) == 1 else None)
+                             label_pad_id=self.label_pad_id, scratch=self._row_buffers() if len(rows) == 1 else None,
+                             media=self.media)
         return self._log_layout(rank_batch(
             full, cp_rank=self.cp_rank, cp_size=self.cp_size, group=self.group, config=self.config,
             placement=self.placement, sliding_windows=self.sliding_windows, heads=self.heads,

@@ -15,6 +15,7 @@ import torch
 
 from .._validate import check_int
 from .examples import Document, read_example
+from .multimodal import media_spec
 from .packing import check_overflow, rows_of_documents
 from .rows import PackedRow
 
@@ -33,6 +34,8 @@ class PackedDataset(torch.utils.data.IterableDataset):
         label_pad_id: a second ignore value in input labels besides ``-100``.
         seed: if given, the rows of each buffer are shuffled (deterministically from ``seed``, the
             epoch and the buffer number) so that rows of long documents do not come first.
+        model_config: the model (or its config) for vision-language models: examples with ``pixel_values`` are
+            read with its placeholder tokens and position rule (:func:`~.multimodal.media_spec`).
 
     Yields :class:`PackedRow` items. Every CP rank of one group must iterate the same examples in the
     same order (same source and seed) and must not shard them among themselves. With
@@ -42,8 +45,9 @@ class PackedDataset(torch.utils.data.IterableDataset):
     """
 
     def __init__(self, examples: Iterable[Any], seq_len: int, *, overflow: str = "split", buffer_size: int = 1000,
-                 label_pad_id: int = -100, seed: int | None = None) -> None:
+                 label_pad_id: int = -100, seed: int | None = None, model_config: Any = None) -> None:
         super().__init__()
+        self.media = media_spec(model_config)
         self.seq_len = check_int("seq_len", seq_len, minimum=1)
         self.overflow = check_overflow(overflow)
         self.buffer_size = check_int("buffer_size", buffer_size, minimum=1)
@@ -66,7 +70,7 @@ class PackedDataset(torch.utils.data.IterableDataset):
         buffer: list[Document] = []
         buffer_no = 0
         for index, example in enumerate(self.examples):
-            doc = read_example(example, index=index, label_pad_id=self.label_pad_id)
+            doc = read_example(example, index=index, label_pad_id=self.label_pad_id, media=self.media)
             if len(doc):
                 buffer.append(doc)
             if len(buffer) == self.buffer_size:

@@ -13,7 +13,12 @@ from typing import Any
 import numpy as np
 import torch
 
+from .multimodal import read_media
+
 __all__ = ["Document", "read_example", "token_tensor"]
+
+#: Per-token fields a processor returns as ``[1, n]`` for one document.
+_TOKEN_KEYS = ("input_ids", "labels", "attention_mask", "mm_token_type_ids", "token_type_ids")
 
 
 @dataclass(frozen=True, eq=False)
@@ -26,12 +31,19 @@ class Document:
             own ``label_pad_id`` when it lays the row out).
         position_start: position id of the first token (0, or the cut offset of a split piece).
         index: index of the source example (for error messages and bookkeeping).
+        media: its images / videos in document order (:class:`~.multimodal.MediaItem`), for vision-language models.
+        token_types: ``[n]`` int64 per-token type ids the model reads (``mm_token_type_ids`` / ``token_type_ids``),
+            or ``None``.
+        mrope: ``[3, n]`` int64 3-D rope positions of the document run alone (mrope models with media), or ``None``.
     """
 
     input_ids: torch.Tensor
     labels: torch.Tensor
     position_start: int = 0
     index: int = 0
+    media: tuple[Any, ...] = ()
+    token_types: torch.Tensor | None = None
+    mrope: torch.Tensor | None = None
 
     def __len__(self) -> int:
         return int(self.input_ids.numel())
@@ -40,6 +52,14 @@ class Document:
         """Tokens ``[start, start + length)`` as a document whose positions continue this one's."""
         if start == 0 and length >= len(self):
             return self  # the whole document (documents are read-only): no new slices
+        if self.media:
+            raise ValueError(f"example {self.index}: a document with images or videos ({len(self)} tokens) does not "
+                             f"fit the row ({length} tokens left): it cannot be split or truncated (an image's "
+                             "placeholders would be cut from its pixels); raise seq_len or drop the example")
+        if self.token_types is not None:
+            return Document(self.input_ids[start:start + length], self.labels[start:start + length],
+                            self.position_start + start, self.index,
+                            token_types=self.token_types[start:start + length])
         return Document(self.input_ids[start:start + length], self.labels[start:start + length],
                         self.position_start + start, self.index)
 
@@ -92,7 +112,7 @@ def token_tensor(value: Any, *, index: int | None, field: str) -> torch.Tensor:
     return tensor.to(device="cpu", dtype=torch.int64)
 
 
-def read_example(example: Any, *, index: int, label_pad_id: int = -100) -> Document:
+def read_example(example: Any, *, index: int, label_pad_id: int = -100, media: Any = None) -> Document:
     """Validate one example and return it as a :class:`Document`.
 
     Args:
@@ -100,6 +120,8 @@ def read_example(example: Any, *, index: int, label_pad_id: int = -100) -> Docum
             ints; ``-100`` and ``label_pad_id`` mean ignored). Other keys are ignored.
         index: the example's index, quoted in errors.
         label_pad_id: a second value (besides ``-100``) that marks an ignored input label.
+        media: the model's :class:`~.multimodal.MediaSpec` (vision-language models): the example's images,
+            videos and per-token type ids are read with it (:func:`~.multimodal.read_media`).
 
     Returns:
         A :class:`Document` with ignored labels as ``-100``; without ``labels`` the labels are a copy
@@ -109,15 +131,20 @@ def read_example(example: Any, *, index: int, label_pad_id: int = -100) -> Docum
         raise ValueError(f"example {index} must be a mapping with 'input_ids', got {type(example).__name__}")
     if "input_ids" not in example:
         raise ValueError(f"example {index}: missing field 'input_ids' (keys: {sorted(map(str, example))})")
+    if media is not None:  # a processor's output for one document: [1, n] tensors
+        example = {k: v[0] if k in _TOKEN_KEYS and isinstance(v, torch.Tensor) and v.dim() == 2 and v.shape[0] == 1
+                   else v for k, v in example.items()}
     input_ids = token_tensor(example["input_ids"], index=index, field="input_ids")
     # numpy's min: a few microseconds less per example than torch's dispatch (a step reads hundreds).
     if input_ids.numel() and input_ids.numpy().min() < 0:
         pos = int(torch.nonzero(input_ids < 0)[0])
         raise ValueError(f"example {index}: input_ids[{pos}]={int(input_ids[pos])} is negative; token ids must be >= 0")
+    items, token_types, mrope = read_media(example, input_ids, media, index=index)
+    extra = {"media": items, "token_types": token_types, "mrope": mrope}
     labels_value = example.get("labels")
     if labels_value is None:
         # The same tensor: documents are read-only, and the row is laid out by copying them (no clone per token).
-        return Document(input_ids, input_ids, 0, index)
+        return Document(input_ids, input_ids, 0, index, **extra)
     labels = token_tensor(labels_value, index=index, field="labels")
     if labels.numel() != input_ids.numel():
         raise ValueError(f"example {index}: labels has length {labels.numel()} but input_ids has length "
@@ -128,4 +155,4 @@ def read_example(example: Any, *, index: int, label_pad_id: int = -100) -> Docum
         pos = int(torch.nonzero(bad)[0])
         raise ValueError(f"example {index}: labels[{pos}]={int(labels[pos])} is negative but not an ignore value "
                          f"(-100 or label_pad_id={label_pad_id})")
-    return Document(input_ids, labels.masked_fill(ignored, -100), 0, index)
+    return Document(input_ids, labels.masked_fill(ignored, -100), 0, index, **extra)

@@ -19,6 +19,7 @@ import numpy as np
 import torch
 
 from .examples import Document
+from .multimodal import MediaSpec, RowMedia, row_media
 
 __all__ = ["FullRows", "PackedRow", "assemble_rows", "shift_row_labels"]
 
@@ -50,6 +51,8 @@ class FullRows:
         shift_labels: int64 next-token targets computed on the full row (:func:`assemble_rows` gives a view of
             the storage of ``labels`` one column on: read-only, like every field).
         label_pad_id: the ignore value used in ``labels`` / ``shift_labels``.
+        media: the rows' images, videos, mrope positions and token types (:class:`~.multimodal.RowMedia`), or
+            ``None`` (text rows).
     """
 
     input_ids: torch.Tensor
@@ -58,6 +61,7 @@ class FullRows:
     doc_ids: torch.Tensor
     shift_labels: torch.Tensor
     label_pad_id: int
+    media: RowMedia | None = None
 
     @property
     def num_items(self) -> int:
@@ -73,7 +77,8 @@ def shift_row_labels(labels: torch.Tensor, label_pad_id: int = -100) -> torch.Te
 
 
 def assemble_rows(rows: Sequence[Sequence[Document]], length: int, *, pad_token_id: int,
-                  label_pad_id: int = -100, scratch: dict[str, torch.Tensor] | None = None) -> FullRows:
+                  label_pad_id: int = -100, scratch: dict[str, torch.Tensor] | None = None,
+                  media: MediaSpec | None = None) -> FullRows:
     """Lay each row's documents back to back and pad the tail to ``length``.
 
     Args:
@@ -84,6 +89,7 @@ def assemble_rows(rows: Sequence[Sequence[Document]], length: int, *, pad_token_
             the returned rows are written into them, so the caller must keep nothing of them but copies, and not
             call again while it reads them. Fresh row-long arrays cost page faults on top of their writes (on
             this project's machine about as much again as the writes), every step.
+        media: the model's :class:`~.multimodal.MediaSpec`: the rows' media are laid out too (``FullRows.media``).
     """
     batch = len(rows)
     if batch == 0:
@@ -125,7 +131,8 @@ def assemble_rows(rows: Sequence[Sequence[Document]], length: int, *, pad_token_
         torch.stack(columns[k]) if batch > 1 else columns[k][0][None]
         for k in ("input_ids", "labels", "position_ids", "doc_ids"))
     # shift_labels[:, t] = labels[:, t + 1]; the extra last column is the ignore value after the row's end.
-    return FullRows(input_ids, label_columns[:, :length], position_ids, doc_ids, label_columns[:, 1:], label_pad_id)
+    return FullRows(input_ids, label_columns[:, :length], position_ids, doc_ids, label_columns[:, 1:], label_pad_id,
+                    row_media(rows, length, position_ids, media))
 
 
 def _row_buffers(scratch: dict[str, torch.Tensor] | None, length: int) -> dict[str, torch.Tensor]:

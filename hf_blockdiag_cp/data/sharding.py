@@ -12,6 +12,8 @@ import warnings
 from collections.abc import Sequence
 from typing import Any
 
+import numpy as np
+import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
@@ -19,6 +21,8 @@ from .._validate import check_int
 from ..compat import accelerate_dispatching_processes
 from ..config import BlockDiagCPConfig
 from ..context import BlockDiagCPContext
+from ..planning.media import plan_media
+from .multimodal import RowMedia, media_batch
 from .rows import FullRows
 
 __all__ = ["check_not_dispatched", "rank_batch", "resolve_cp", "row_multiple"]
@@ -103,9 +107,17 @@ def rank_batch(full: FullRows, *, cp_rank: int, cp_size: int, group: Any = None,
         raise ValueError(f"under context parallelism a micro-batch is one packed row, got {batch} rows")
     # The tokens join the data fingerprint: CP ranks given different rows with the same layout fail
     # the step's agreement instead of training on different data.
+    media = full.media
+    positions = full.position_ids
+    if media is not None and media.positions is not None:
+        # mrope models read [4, B, S]: the 1-D text positions (masks, packing), then the 3-D rope rows.
+        positions = torch.cat([full.position_ids[None], media.positions])
     context = BlockDiagCPContext.build(full.doc_ids, cp_rank=cp_rank, cp_size=cp_size, group=group, config=config,
                                        input_ids=full.input_ids, placement=placement, sliding_windows=sliding_windows,
-                                       position_ids=full.position_ids, heads=heads, ulysses_groups=ulysses_groups)
+                                       position_ids=positions, heads=heads, ulysses_groups=ulysses_groups)
+    extra: dict[str, Any] = {}
+    if media is not None:
+        context, extra = _media_fields(context, full, media)
     num_items = full.num_items if num_items is None else int(num_items)
     if num_items == 0:
         warnings.warn("this batch has no targets (every label is ignored): num_items_in_batch=0. If the whole step "
@@ -115,7 +127,7 @@ def rank_batch(full: FullRows, *, cp_rank: int, cp_size: int, group: Any = None,
     return {
         # index_select: a plain gather, several times faster than advanced indexing on long rows.
         "input_ids": full.input_ids.index_select(1, local),
-        "position_ids": full.position_ids.index_select(1, local),
+        "position_ids": positions.index_select(positions.dim() - 1, local),
         "labels": full.labels.index_select(1, local),
         "shift_labels": full.shift_labels.index_select(1, local),
         # A Python int, not a 0-dim tensor: accelerate's batch dispatcher (the Trainer's loader for iterable
@@ -126,4 +138,32 @@ def rank_batch(full: FullRows, *, cp_rank: int, cp_size: int, group: Any = None,
         # A packed training forward must not build a KV cache (config.use_cache defaults to True
         # outside the Trainer); the cp_context path refuses a cache that holds earlier keys.
         "use_cache": False,
+        **extra,
     }
+
+
+def _media_fields(context: BlockDiagCPContext, full: FullRows,
+                  media: RowMedia) -> tuple[BlockDiagCPContext, dict[str, Any]]:
+    """The batch keys of a row's images / videos for this rank, and the context with its media exchange (CP > 1).
+
+    One process: every item in row order (the model encodes them itself). Under CP: the items this rank encodes
+    (:func:`~hf_blockdiag_cp.planning.media.plan_media`); the model's forward pre-hook sends their feature rows to
+    the ranks holding their placeholder tokens (:mod:`hf_blockdiag_cp.model.media`).
+    """
+    local = context.local_index
+    extra: dict[str, Any] = {}
+    if media.token_types is not None:
+        extra[media.spec.token_type_key] = media.token_types.index_select(1, local)
+    if not media.items:
+        return context, extra
+    if context.cp_size == 1:
+        return context, {**extra, **media_batch(media.items, media.spec)}
+    ordered = media.ordered()
+    owner = np.empty(context.full_len, dtype=np.int64)
+    index = context.placement.index
+    owner[index.reshape(-1).numpy()] = np.repeat(np.arange(index.shape[0]), index.shape[1])
+    transfer = plan_media([it.kind for it in ordered], [it.rows for it in ordered], [it.work for it in ordered],
+                          media.placeholder_positions(full.input_ids), owner, rank=context.cp_rank,
+                          size=context.cp_size)
+    extra.update(media_batch([ordered[i] for i in transfer.encode], media.spec))
+    return context.with_media(transfer), extra

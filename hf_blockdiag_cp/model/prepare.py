@@ -19,7 +19,8 @@ model loaded with, or switched to, ``attn_implementation="blockdiag_cp"``), by
      raises (:func:`check_context_reached`: layers that call attention without the model's keyword
      arguments would attend within their own shard);
   3. *agrees* (a ``cp_context`` with ``cp_size > 1``, outermost prepared module only): one small collective
-     with the CP group about this forward (:func:`~.forward_agreement.agree_forward`);
+     with the CP group about this forward (:func:`~.forward_agreement.agree_forward`); then, for a row with
+     images or videos, encodes this rank's and exchanges their feature rows (:func:`~.media.encode_and_exchange`);
 - one forward **post-hook**: refuses a forward that carried packing information (``cp_context``,
   ``cu_seq_lens_*``, packed ``position_ids``) in which the attention function was never called.
 
@@ -60,6 +61,7 @@ from .detect import (
 )
 from .forward_agreement import agree_forward
 from .head_refusals import check_logits_to_keep, row_pooling_refusal
+from .media import encode_and_exchange
 from .moe_aux import exact_router_aux_loss
 
 __all__ = ["PROBE_ATTR", "ForwardProbe", "Preparation", "check_context_reached", "forward_context",
@@ -257,9 +259,13 @@ def _pre_forward(module: torch.nn.Module, args: tuple,
         if not any(key != id(module) for key in probe.starts):  # the outermost prepared module of the forward
             try:
                 agree_forward(module, arguments(module, args, kwargs))
+                # CP rows with images: encode this rank's, exchange the feature rows (after the agreement).
+                exchanged = encode_and_exchange(module, kwargs)
             except BaseException:
                 probe.starts.pop(id(module), None)
                 raise
+            if exchanged is not kwargs:
+                return args, exchanged
     return filled
 
 
