@@ -27,12 +27,13 @@ from transformers.modeling_outputs import BaseModelOutputWithPooling
 from ..compat import MULTIMODAL_ENCODER_KEYWORD, encoder_output_is_sequence
 from ..context import BlockDiagCPContext
 from ..data.multimodal import IMAGE, VIDEO, item_keys
+from ..distributed.exchange import CommStats
 from ..distributed.media import MediaExchange, exchange_features
 from ..errors import UnsupportedModel
 from ..runtime import step_runtime
 from .heads import config_int, text_config
 
-__all__ = ["encode_and_exchange"]
+__all__ = ["encode_and_exchange", "media_stats"]
 
 _ENCODERS = {IMAGE: "get_image_features", VIDEO: "get_video_features"}
 
@@ -122,3 +123,8 @@ def _output_class(model: torch.nn.Module, levels: int) -> type:
     if cls is None:
         raise UnsupportedModel(f"{type(model).__name__}: no deepstack encoder output class found in {module}")
     return cls
+
+
+def media_stats(ctx: BlockDiagCPContext) -> CommStats:
+    """Bytes this rank moved through the image / video feature all-to-all of ``ctx``'s step (both directions)."""
+    return step_runtime(ctx).media
