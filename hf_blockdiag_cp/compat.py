@@ -38,13 +38,10 @@ __all__ = ["CPU_FLASH_ATTENTION", "CPU_FLASH_ATTENTION_BACKWARD", "MASK_CLOSURES
 MULTIMODAL_ENCODER_KEYWORD = "mm_encoder_outputs"
 
 
-def rope_index_function(config: Any) -> Any:
-    """``config``'s model's ``get_rope_index`` as a function of its inputs (mrope models), else ``None``."""
-    import transformers
-    from transformers.models.auto.modeling_auto import MODEL_MAPPING_NAMES
-
-    name = MODEL_MAPPING_NAMES.get(getattr(config, "model_type", None))
-    cls = getattr(transformers, name, None) if isinstance(name, str) else None
+def rope_index_function(config: Any, model_class: type | None) -> Any:
+    """``model_class.get_rope_index`` (the base model of ``config``'s architecture, e.g. ``Qwen2_5_VLModel``) as a
+    function of its inputs for mrope models, else ``None``."""
+    cls, name = model_class, getattr(model_class, "__name__", "")
     if cls is None or not hasattr(cls, "get_rope_index") or not hasattr(cls, "get_vision_position_ids"):
         return None
     stand_in = object.__new__(cls)  # no parameters: the method reads self.config and a method of the class only
@@ -84,8 +81,8 @@ class _RopeIndex:
     def __init__(self, name: str, method: Any) -> None:
         self.name, self.method = name, method
 
-    def __reduce__(self) -> tuple[Any, tuple[Any]]:
-        return rope_index_function, (self.method.__self__.config,)
+    def __reduce__(self) -> tuple[Any, tuple[Any, type]]:
+        return rope_index_function, (self.method.__self__.config, type(self.method.__self__))
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         return self.method(*args, **kwargs)

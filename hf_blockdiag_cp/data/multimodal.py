@@ -22,30 +22,20 @@ from typing import Any
 
 import numpy as np
 import torch
+import transformers
+from transformers.models.auto.modeling_auto import MODEL_MAPPING_NAMES
 
 from ..compat import rope_index_function
+from ..planning.media import IMAGE, VIDEO, item_keys
 
 __all__ = ["IMAGE", "VIDEO", "MediaItem", "MediaSpec", "RowMedia", "item_keys", "media_batch", "media_spec",
            "read_media", "row_media"]
 
-IMAGE = "image"
-VIDEO = "video"
-
-#: Batch keys that belong to one image (split along dim 0, one entry per image, unless grid-sized), per kind.
-_ITEM_KEYS: dict[str, tuple[str, ...]] = {
-    IMAGE: ("pixel_values", "image_grid_thw", "image_sizes", "pixel_attention_mask", "image_position_ids"),
-    VIDEO: ("pixel_values_videos", "video_grid_thw", "second_per_grid_ts"),
-}
 #: The grid key of each kind (Qwen family): an item's rows of its patch tensor are ``prod(grid)``.
 _GRID_KEY = {IMAGE: "image_grid_thw", VIDEO: "video_grid_thw"}
 _PIXEL_KEY = {IMAGE: "pixel_values", VIDEO: "pixel_values_videos"}
 #: Per-token type keys the models read (Qwen: mm_token_type_ids; gemma3 / paligemma: token_type_ids).
 TOKEN_TYPE_KEYS = ("mm_token_type_ids", "token_type_ids")
-
-
-def item_keys(kind: str) -> tuple[str, ...]:
-    """The batch keys that belong to one image (``kind="image"``) or video."""
-    return _ITEM_KEYS[kind]
 
 
 @dataclass(frozen=True, eq=False)
@@ -126,7 +116,8 @@ def media_spec(model_or_config: Any) -> MediaSpec | None:
     if not token_ids:
         return None
     model_type = getattr(config, "model_type", type(config).__name__)
-    rope_index = rope_index_function(config)
+    class_name = MODEL_MAPPING_NAMES.get(model_type)
+    rope_index = rope_index_function(config, getattr(transformers, class_name, None) if class_name else None)
     merge = getattr(config.vision_config, "spatial_merge_size", None) if rope_index is not None else None
     token_type_key = "mm_token_type_ids" if rope_index is not None else (
         "token_type_ids" if model_type in ("gemma3", "paligemma") else None)
@@ -199,7 +190,7 @@ def read_media(example: Mapping[str, Any], input_ids: torch.Tensor, spec: MediaS
 def _split_items(example: Mapping[str, Any], kind: str, spec: MediaSpec, placeholders: int,
                  index: int) -> list[MediaItem]:
     """One example's ``kind`` items: its per-item keys cut into one slice per item."""
-    keys = [k for k in _ITEM_KEYS[kind] if example.get(k) is not None]
+    keys = [k for k in item_keys(kind) if example.get(k) is not None]
     values = {k: _tensor(example[k], f"example {index}: {k}") for k in keys}
     pixels = values[_PIXEL_KEY[kind]]
     if spec.five_d and pixels.dim() == 5:  # [1, N, C, H, W]: one document's images
@@ -246,7 +237,7 @@ def media_batch(items: Sequence[MediaItem], spec: MediaSpec) -> dict[str, torch.
         chosen = [it for it in items if it.kind == kind]
         if not chosen:
             continue
-        for key in _ITEM_KEYS[kind]:
+        for key in item_keys(kind):
             parts = [it.fields[key] for it in chosen if key in it.fields]
             if not parts:
                 continue

@@ -26,14 +26,15 @@ from transformers.modeling_outputs import BaseModelOutputWithPooling
 
 from ..compat import MULTIMODAL_ENCODER_KEYWORD, encoder_output_is_sequence
 from ..context import BlockDiagCPContext
-from ..data.multimodal import IMAGE, VIDEO, item_keys
 from ..distributed.exchange import CommStats
 from ..distributed.media import MediaExchange, exchange_features
 from ..errors import UnsupportedModel
+from ..planning.media import IMAGE, VIDEO, item_keys
 from ..runtime import step_runtime
+from .batch import packing
 from .heads import config_int, text_config
 
-__all__ = ["encode_and_exchange", "media_stats"]
+__all__ = ["encode_and_exchange", "is_mrope", "media_stats", "refuse_flat_mrope"]
 
 _ENCODERS = {IMAGE: "get_image_features", VIDEO: "get_video_features"}
 
@@ -128,3 +129,26 @@ def _output_class(model: torch.nn.Module, levels: int) -> type:
 def media_stats(ctx: BlockDiagCPContext) -> CommStats:
     """Bytes this rank moved through the image / video feature all-to-all of ``ctx``'s step (both directions)."""
     return step_runtime(ctx).media
+
+
+def is_mrope(model: torch.nn.Module) -> bool:
+    """Whether ``model`` places image and video tokens with 3-D rope positions (a module of it has the mrope
+    ``get_rope_index``)."""
+    return any(hasattr(type(m), "get_rope_index") and hasattr(type(m), "get_vision_position_ids")
+               for m in model.modules())
+
+
+def refuse_flat_mrope(model_type: str, named: dict[str, Any]) -> None:
+    """Refuse a packed batch with image / video grids but 1-D ``position_ids`` for an mrope model: its image tokens
+    would lose their (t, h, w) positions (the model builds 3-D positions only when it is given none)."""
+    positions = named.get("position_ids")
+    grids = [k for k in ("image_grid_thw", "video_grid_thw") if named.get(k) is not None]
+    if not grids or not isinstance(positions, torch.Tensor) or positions.dim() != 2:
+        return
+    found = packing(named)
+    if found is not None:
+        raise UnsupportedModel(
+            f"{model_type} reads 3-D rope positions (t, h, w) for image and video tokens, but this packed batch "
+            f"({found}) has {', '.join(grids)} with 1-D position_ids [B, T]: its image tokens would be placed as text; "
+            "build the batch with hf_blockdiag_cp.PackingCollator(..., model_config=model.config), which gives the "
+            "per-document [4, B, T] position_ids (text row, then the model's own 3-D positions)")

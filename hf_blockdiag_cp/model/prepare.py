@@ -61,7 +61,7 @@ from .detect import (
 )
 from .forward_agreement import agree_forward
 from .head_refusals import check_logits_to_keep, row_pooling_refusal
-from .media import encode_and_exchange
+from .media import encode_and_exchange, is_mrope, refuse_flat_mrope
 from .moe_aux import exact_router_aux_loss
 
 __all__ = ["PROBE_ATTR", "ForwardProbe", "Preparation", "check_context_reached", "forward_context",
@@ -89,6 +89,7 @@ class ForwardProbe:
         cp_context: the ``cp_context`` (CP > 1) of the forward in progress, set by the pre-hook and cleared by
             the post-hook; every attention call inside that forward must receive it.
         head_refusal: why the model's head (row pooling) cannot serve packed or sharded rows, or ``None``.
+        mrope: the model reads 3-D rope positions of images and videos (Qwen2-VL family, Qwen3-VL, Qwen3.5).
         held_context: the ``cp_context`` (CP > 1) of the latest forward, kept after it (activation-checkpoint
             recompute): attention layers called without the model's keyword arguments use it (:func:`forward_context`).
         recurrent_mixers: recurrent mixers served per document fragment (:mod:`hf_blockdiag_cp.recurrent`).
@@ -107,6 +108,7 @@ class ForwardProbe:
     padding_refusal: tuple[int, str] | None = None
     cp_context: Any = None
     head_refusal: str | None = None
+    mrope: bool = False
     recurrent_mixers: int = 0
     runs: Any = None
     held_context: Any = None
@@ -186,6 +188,7 @@ def prepare_model(model: torch.nn.Module, *, strict: bool = False) -> torch.nn.M
     probe.loss_refusal = loss_refusal(model)
     probe.padding_refusal = padding_refusal(model)
     probe.head_refusal = row_pooling_refusal(model) or probe.head_refusal  # a wrapper keeps its wrapped model's
+    probe.mrope = probe.mrope or is_mrope(model)
     for sub in model.modules():
         sub.__dict__[PROBE_ATTR] = probe
     probe.recurrent_mixers = install_recurrent(model, probe)
@@ -276,6 +279,8 @@ def _refuse(module: torch.nn.Module, probe: ForwardProbe, args: tuple, kwargs: d
         named = arguments(module, args, kwargs)
         check_cp_loss_count(named)
         check_logits_to_keep(probe.model_type, named)
+    if probe.mrope:
+        refuse_flat_mrope(probe.model_type, arguments(module, args, kwargs))
     if probe.head_refusal is not None:
         found = packing(arguments(module, args, kwargs))
         if found is not None:

@@ -30,7 +30,21 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-__all__ = ["MediaTransfer", "assign_encoders", "plan_media", "transfer_bytes"]
+__all__ = ["IMAGE", "VIDEO", "MediaTransfer", "assign_encoders", "item_keys", "plan_media", "transfer_bytes"]
+
+IMAGE = "image"
+VIDEO = "video"
+
+#: Batch keys that belong to one image / video (split along dim 0, one entry per item, unless grid-sized).
+_ITEM_KEYS: dict[str, tuple[str, ...]] = {
+    IMAGE: ("pixel_values", "image_grid_thw", "image_sizes", "pixel_attention_mask", "image_position_ids"),
+    VIDEO: ("pixel_values_videos", "video_grid_thw", "second_per_grid_ts"),
+}
+
+
+def item_keys(kind: str) -> tuple[str, ...]:
+    """The batch keys that belong to one image (``kind="image"``) or video."""
+    return _ITEM_KEYS[kind]
 
 
 @dataclass(frozen=True, eq=False)
