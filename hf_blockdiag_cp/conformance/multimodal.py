@@ -13,7 +13,8 @@ Processor layouts (one document, ``input_ids`` 1-D; ``N`` = the image's feature 
   tile): per tile ``<fake_token_around_image> <row_r_col_c> <image>*S``, ``\\n`` after each tile row, then
   ``\\n <fake_token_around_image> <global-img> <image>*S <fake_token_around_image>``; ``pixel_values`` is 5-D
   ``[1, n_tiles, C, H, W]`` (tiles of all images, crops before the global tile) with ``pixel_attention_mask
-  [1, n_tiles, H, W]``; ``S = (image_size/patch)**2 / scale_factor**2``, ``N = S * n_tiles(image)``.
+  [1, n_tiles, H, W]`` (the documents here store both without the leading 1: ``MediaLayout.batched``);
+  ``S = (image_size/patch)**2 / scale_factor**2``, ``N = S * n_tiles(image)``.
 - **mistral3** (Pixtral processor): per row of merged patches ``[IMG]*w [IMG_BREAK]``, the last break replaced by
   ``[IMG_END]``; ``pixel_values [n_img, C, Hmax, Wmax]`` padded to the largest image, ``image_sizes [n_img, 2]``;
   ``N = (H/patch/merge) * (W/patch/merge)`` (only ``[IMG]`` tokens take features).
@@ -38,9 +39,9 @@ from transformers import AutoConfig, AutoModelForImageTextToText, PretrainedConf
 
 from .configs import shrink_overrides
 
-__all__ = ["IDS", "MEDIA_KEYS", "VLM_TYPES", "AloneResult", "MediaLayout", "build_vlm", "compare", "document_loss",
-           "documents_alone", "feature_rows", "image_spans", "make_stateful", "model_inputs", "num_images",
-           "rows_per_image", "split_images", "synthetic_documents", "tiny_vlm_config"]
+__all__ = ["IDS", "MEDIA_KEYS", "VLM_TYPES", "AloneResult", "MediaLayout", "build_vlm", "compare", "concat_media",
+           "document_loss", "documents_alone", "feature_rows", "image_spans", "make_stateful", "model_inputs",
+           "num_images", "rows_per_image", "split_images", "synthetic_documents", "tiny_vlm_config"]
 
 VLM_TYPES: tuple[str, ...] = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_5", "llava", "idefics3", "smolvlm",
                               "mistral3", "internvl", "gemma3", "paligemma")
@@ -339,17 +340,16 @@ def num_images(config: PretrainedConfig, doc: dict[str, Any]) -> int:
 def _placeholder_counts(model_type: str, input_ids: torch.Tensor) -> list[int]:
     """Placeholder tokens per image, read from the delimiters (tiled layouts: an image ends with its global tile)."""
     counts, current, after_global = [], 0, False
-    ids = input_ids.tolist()
-    for i, tok in enumerate(ids):
-        if tok == IDS["image"]:
-            current += 1
-        end_of_image = (tok == IDS["end"]) if model_type == "internvl" else (
-            after_global and tok == IDS["start"])
-        after_global = after_global or (model_type in _TILED and tok == IDS["global"])
+    for tok in input_ids.tolist():
+        current += tok == IDS["image"]
+        if model_type == "internvl":
+            end_of_image = tok == IDS["end"]
+        else:  # tiled: the <fake_token_around_image> closing the global tile
+            end_of_image = after_global and tok == IDS["start"]
+            after_global = after_global or tok == IDS["global"]
         if end_of_image:
             counts.append(current)
             current, after_global = 0, False
-        del i
     return counts
 
 
@@ -377,6 +377,23 @@ def split_images(config: PretrainedConfig, doc: dict[str, Any]) -> list[dict[str
     keys = {k: unit for k, unit in MEDIA_KEYS[config.model_type].per_image.items() if k in doc}
     spans = {k: image_spans(config, doc, unit) for k, unit in keys.items()}
     return [{k: doc[k][slice(*spans[k][i])] for k in keys} for i in range(num_images(config, doc))]
+
+
+def concat_media(config: PretrainedConfig, docs: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
+    """The per-image keys of several documents as one packed row's model inputs, in document order (the inverse of
+    :func:`split_images`): concatenated along the image dim; mistral3's images zero-padded to the largest of all
+    (``image_sizes`` keeps each size); ``batched`` keys get their batch dim of 1. Empty without images."""
+    layout = MEDIA_KEYS[config.model_type]
+    out: dict[str, torch.Tensor] = {}
+    for key in layout.per_image:
+        parts = [d[key] for d in docs if key in d]
+        if not parts:
+            continue
+        if key == "pixel_values" and config.model_type == "mistral3":
+            height, width = max(p.shape[-2] for p in parts), max(p.shape[-1] for p in parts)
+            parts = [torch.nn.functional.pad(p, (0, width - p.shape[-1], 0, height - p.shape[-2])) for p in parts]
+        out[key] = torch.cat(parts)[None] if key in layout.batched else torch.cat(parts)
+    return out
 
 
 def model_inputs(config: PretrainedConfig, doc: dict[str, Any]) -> dict[str, Any]:

@@ -3,6 +3,8 @@ current state of one document under ``blockdiag_cp`` (text) + ``sdpa`` (vision) 
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 from transformers import AttentionInterface
@@ -14,6 +16,7 @@ from hf_blockdiag_cp.conformance.multimodal import (
     VLM_TYPES,
     build_vlm,
     compare,
+    concat_media,
     documents_alone,
     feature_rows,
     image_spans,
@@ -36,6 +39,12 @@ KNOWN = {
                                    reason="SILENTLY DIFFERENT: use_bidirectional_attention=True (GemmaAttention."
                                           "is_causal=False) and the token_type_ids prefix are served as causal"),
 }
+
+
+@functools.cache
+def _stock(model_type: str) -> torch.nn.Module:
+    """The stock (sdpa) tiny model of ``model_type``, built once per session (tests must not change its weights)."""
+    return build_vlm(tiny_vlm_config(model_type))
 
 
 @pytest.mark.parametrize("model_type", VLM_TYPES)
@@ -73,9 +82,9 @@ def test_synthetic_documents_follow_the_processor_layout(model_type):
 @pytest.mark.parametrize("model_type", VLM_TYPES)
 def test_alone_reference_is_deterministic_and_matches_the_model_features(model_type):
     config = tiny_vlm_config(model_type)
-    model, twin = build_vlm(config), build_vlm(config)
+    model, twin = _stock(model_type), build_vlm(config)
     assert all(torch.equal(p, q) for p, q in zip(model.state_dict().values(), twin.state_dict().values()))
-    assert make_stateful(model) == (1 if model_type == "qwen3_5" else 0)  # its one linear_attention layer
+    assert make_stateful(twin) == (1 if model_type == "qwen3_5" else 0)  # its one linear_attention layer
     docs = synthetic_documents(config, num_docs=1, seed=1, images=(2,))
     doc = docs[0]
     # Placeholder counts = the rows the model's own get_image_features returns, image by image.
@@ -114,7 +123,7 @@ def test_compare_reports_relative_errors():
 def test_one_document_under_blockdiag_cp_equals_stock(model_type, monkeypatch):
     config = tiny_vlm_config(model_type)
     docs = synthetic_documents(config, num_docs=1, seed=4, images=(1,))
-    reference = documents_alone(build_vlm(config), docs)
+    reference = documents_alone(_stock(model_type), docs)
     calls = []
     blockdiag = AttentionInterface._global_mapping["blockdiag_cp"]
 
@@ -128,3 +137,46 @@ def test_one_document_under_blockdiag_cp_equals_stock(model_type, monkeypatch):
     assert calls, "blockdiag_cp ran in the text model"
     errors = compare(got.logits, got.loss, got.grads, reference)
     assert max(errors.values()) <= TOL, errors
+
+
+def test_make_stateful_keeps_the_gated_delta_state():
+    """Tiny Qwen3.5 forgets the recurrent state within a token; after make_stateful a token 8+ steps back (beyond the
+    4-wide convolution) still moves the output."""
+    model = build_vlm(tiny_vlm_config("qwen3_5"))
+    mixer = model.get_submodule("model.language_model.layers.0.linear_attn")
+    hidden = torch.randn(1, 16, 64, generator=torch.Generator().manual_seed(0))
+    bumped = hidden.clone()
+    bumped[:, 0] += 1.0
+
+    def reach() -> float:
+        with torch.no_grad():
+            base, moved = mixer(hidden), mixer(bumped)
+        return float((moved - base)[0, 8:].abs().max() / base.abs().max())
+
+    assert reach() < 1e-6
+    assert make_stateful(model) == 1
+    assert reach() > 0.05
+
+
+def _features(model, inputs) -> torch.Tensor:
+    """``get_image_features`` rows ``[N, hidden]`` of ``inputs`` (the model's per-image outputs concatenated)."""
+    with torch.no_grad():
+        out = model.model.get_image_features(**inputs)
+    pooled = out.pooler_output if hasattr(out, "pooler_output") else out
+    hidden = model.config.get_text_config().hidden_size
+    return torch.cat([p.reshape(-1, hidden) for p in (pooled if isinstance(pooled, (list, tuple)) else [pooled])])
+
+
+@pytest.mark.parametrize("model_type", VLM_TYPES)
+def test_concat_media_of_a_pack_gives_each_image_its_own_features(model_type):
+    """The vision towers treat the images of a packed row independently: the packed media's feature rows are every
+    image's own rows, in document order (what a collator that concatenates media relies on)."""
+    config = tiny_vlm_config(model_type)
+    model = _stock(model_type)
+    docs = synthetic_documents(config, num_docs=6, seed=7)
+    images = [image for doc in docs for image in split_images(config, doc)]
+    assert len(images) >= 3
+    packed = _features(model, concat_media(config, docs))
+    alone = torch.cat([_features(model, concat_media(config, [image])) for image in images])
+    assert packed.shape[0] == sum(rows_per_image(config, d, i) for d in docs for i in range(num_images(config, d)))
+    assert float((packed - alone).abs().max() / alone.abs().max()) < 1e-5
