@@ -6,7 +6,8 @@ Processor layouts (one document, ``input_ids`` 1-D; ``N`` = the image's feature 
 - **qwen2_vl, qwen2_5_vl, qwen3_vl, qwen3_5**: ``<|vision_start|> <|image_pad|>*N <|vision_end|>``;
   ``pixel_values [sum_i t*h*w, C*temporal_patch*patch*patch]`` (patch rows of all images, image after image),
   ``image_grid_thw [n_img, 3]`` (in patches), ``N = t*h*w / merge**2``; ``mm_token_type_ids [L]`` is 1 on the
-  ``<|image_pad|>`` tokens only (M-RoPE positions are computed from it).
+  ``<|image_pad|>`` tokens only (M-RoPE positions are computed from it). qwen3_vl also returns ``deepstack_features``
+  (per ``deepstack_visual_indexes`` entry, per image ``[N, hidden]``) added to the first text layers at the same rows.
 - **llava**: ``<image>*N``, no delimiters (two adjacent images form one run); ``pixel_values [n_img, C, H, W]``;
   ``N = (H/patch)*(W/patch)`` (+1 with the ``full`` feature strategy).
 - **idefics3, smolvlm**: an image is split into ``rows x cols`` tiles plus one global tile (or only the global
