@@ -17,7 +17,7 @@ placeholder tokens per image (video), the images' ``pixel_values`` and, per arch
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -68,6 +68,11 @@ class MediaSpec:
         rope_index: the model's ``get_rope_index`` rule as a function, for mrope models; else ``None``.
         token_type_key: the per-token type key the model's forward reads (``None``: none).
         five_d: ``pixel_values`` is laid out ``[1, N, C, H, W]`` (idefics3 / smolvlm) rather than ``[N, ...]``.
+        size_step: images of varying size (mistral3): an image of ``image_sizes`` ``(h, w)`` gives
+            ``(h // size_step) * (w // size_step)`` feature rows (``None``: not this rule).
+
+    Items are the units the vision encoder takes one at a time: an image, a video, or a tile of a tiled image
+    (idefics3, smolvlm, internvl: each tile has its own placeholder run and feature rows).
     """
 
     model_type: str
@@ -76,17 +81,20 @@ class MediaSpec:
     rope_index: Any = None
     token_type_key: str | None = None
     five_d: bool = False
-    extra: dict[str, Any] = field(default_factory=dict)
+    size_step: int | None = None
 
     @property
     def mrope(self) -> bool:
         return self.rope_index is not None
 
-    def item_rows(self, kind: str, grid: torch.Tensor | None, placeholders: int, count: int) -> list[int]:
-        """Feature rows of each of ``count`` items of ``kind``: from their grids, else an equal share of the
+    def item_rows(self, kind: str, grid: torch.Tensor | None, placeholders: int, count: int,
+                  sizes: torch.Tensor | None = None) -> list[int]:
+        """Feature rows of each of ``count`` items of ``kind``: from their grids or sizes, else an equal share of the
         document's ``placeholders`` (architectures whose images all give the same number of rows)."""
         if grid is not None and self.merge:
             return [int(torch.prod(g)) // (self.merge ** 2) for g in grid]
+        if sizes is not None and self.size_step:
+            return [(int(h) // self.size_step) * (int(w) // self.size_step) for h, w in sizes.reshape(-1, 2).tolist()]
         if count == 0:
             return []
         return [placeholders // count] * count
@@ -121,8 +129,11 @@ def media_spec(model_or_config: Any) -> MediaSpec | None:
     merge = getattr(config.vision_config, "spatial_merge_size", None) if rope_index is not None else None
     token_type_key = "mm_token_type_ids" if rope_index is not None else (
         "token_type_ids" if model_type in ("gemma3", "paligemma") else None)
+    size_step = None
+    if model_type in ("mistral3", "pixtral", "lighton_ocr"):
+        size_step = config.vision_config.patch_size * getattr(config, "spatial_merge_size", 1)
     return MediaSpec(model_type, token_ids, merge, rope_index, token_type_key,
-                     five_d=model_type in ("idefics3", "smolvlm", "idefics2"))
+                     five_d=model_type in ("idefics3", "smolvlm", "idefics2"), size_step=size_step)
 
 
 def _tensor(value: Any, where: str) -> torch.Tensor:
@@ -210,7 +221,7 @@ def _split_items(example: Mapping[str, Any], kind: str, spec: MediaSpec, placeho
     else:
         count = pixels.shape[0]
         patch_rows = [int(pixels[0].numel())] * count
-    rows = spec.item_rows(kind, grid, placeholders, count)
+    rows = spec.item_rows(kind, grid, placeholders, count, values.get("image_sizes") if kind == IMAGE else None)
     items = []
     start = 0
     for i in range(count):
@@ -229,6 +240,21 @@ def _split_items(example: Mapping[str, Any], kind: str, spec: MediaSpec, placeho
     return items
 
 
+def _padded(parts: list[torch.Tensor]) -> list[torch.Tensor]:
+    """``parts`` zero-padded at the end of every dim but the first to their largest sizes (images of different sizes
+    in one batch tensor, as the processors pad them: mistral3's ``image_sizes`` keeps each size)."""
+    shape = [max(p.shape[d] for p in parts) for d in range(1, parts[0].dim())]
+    if all(list(p.shape[1:]) == shape for p in parts):
+        return parts
+    out = []
+    for p in parts:
+        pad = []
+        for d in reversed(range(1, p.dim())):
+            pad += [0, shape[d - 1] - p.shape[d]]
+        out.append(torch.nn.functional.pad(p, pad))
+    return out
+
+
 def media_batch(items: Sequence[MediaItem], spec: MediaSpec) -> dict[str, torch.Tensor]:
     """The batch keys of ``items`` (in the given order): each per-item key concatenated along dim 0
     (``pixel_values`` of a five-dimensional architecture as ``[1, N, ...]``). Empty for no items."""
@@ -243,7 +269,7 @@ def media_batch(items: Sequence[MediaItem], spec: MediaSpec) -> dict[str, torch.
                 continue
             if len(parts) != len(chosen):
                 raise ValueError(f"{key} is given for some {kind}s of the row and not for others")
-            value = torch.cat(parts, dim=0)
+            value = torch.cat(_padded(parts), dim=0)
             if spec.five_d and key in ("pixel_values", "pixel_attention_mask"):
                 value = value[None]
             out[key] = value
