@@ -104,6 +104,7 @@ def blockdiag_cp_attention(module: torch.nn.Module, query: torch.Tensor, key: to
         if mask.spec.bidirectional or not mask.spec.causal:
             raise NotImplementedError(f"{model_type} builds a bidirectional (encoder) attention mask for "
                                       f"{type(module).__name__}; blockdiag_cp implements causal attention only")
+        _refuse_bidirectional_layer(module, model_type)
         # The mask is what transformers' sdpa and eager apply; a layer's own is_causal flag can be stale.
         sliding_window = mask.spec.window
     elif not kwargs.get("is_causal", getattr(module, "is_causal", True)):
@@ -119,6 +120,20 @@ def blockdiag_cp_attention(module: torch.nn.Module, query: torch.Tensor, key: to
     with autocast_off:
         out = _attention(query, key, value, attention_mask, dropout, scale, sliding_window, softcap, kwargs)
     return out.reshape(query.shape[0], query.shape[2], query.shape[1], value.shape[-1]), None
+
+
+def _refuse_bidirectional_layer(module: torch.nn.Module, model_type: str) -> None:
+    """A layer whose config sets ``use_bidirectional_attention`` (PaliGemma's default: its image + prompt prefix is
+    bidirectional) under a mask with no bidirectional part: stock attention is not causal there (with no mask to
+    apply, sdpa runs the layer unmasked), so the causal result would silently differ."""
+    if getattr(module, "is_causal", True) or not getattr(getattr(module, "config", None),
+                                                         "use_bidirectional_attention", False):
+        return
+    raise NotImplementedError(
+        f"{model_type}: {type(module).__name__} has use_bidirectional_attention=True (is_causal=False: e.g. "
+        "PaliGemma's bidirectional image + prompt prefix) but its mask has no bidirectional blocks; blockdiag_cp "
+        "computes causal attention there, which differs. Pass the documents' token_type_ids (the prefix becomes a "
+        "bidirectional block) or use attn_implementation='sdpa'")
 
 
 @dataclass(frozen=True, eq=False)
