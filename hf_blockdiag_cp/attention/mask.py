@@ -141,3 +141,5 @@ def _keep_outer(spec: MaskSpec, outer: MaskSpec) -> None:
     built: what the outer one asked for beyond the inner causal pattern (a refusal) must not be lost."""
     if outer.refusal is not None:
         spec.refuse(outer.refusal)
+    if outer.blocks is not None and spec.blocks is None:
+        spec.blocks, spec.block_window_exempt = outer.blocks, outer.block_window_exempt
