@@ -106,6 +106,7 @@ MASK_CLOSURES: dict[str, str] = {
     "remap_positions": "remap_positions_for_packed_sequence.<locals>.inner_mask",
     "padding": "padding_mask_function.<locals>.inner_mask",
     "bidirectional_sliding_window": "sliding_window_bidirectional_overlay.<locals>.inner_mask",
+    "blockwise": "blockwise_overlay.<locals>.inner_mask",
 }
 
 

@@ -23,6 +23,7 @@ from ._validate import check_int
 from .config import BlockDiagCPConfig
 from .distributed.groups import GroupRef, group_to_ref, ref_to_group
 from .planning import PlanError, VarlenPlan, as_doc_ids, build_varlen_plan
+from .planning.blocks import BlockSpans, block_spans
 from .planning.documents import arange, document_runs
 from .planning.exchange import ExchangePlan, plan_exchange
 from .planning.fingerprint import data_fingerprint, fingerprint, plan_fingerprint, shard_checksum
@@ -65,6 +66,9 @@ class BlockDiagCPContext:
             after the head all-to-all, and the ``c``-rank exchange between groups (run as rank ``cp_rank // u``).
         head_group / seq_group: the process groups of the ``u`` consecutive CP ranks of this rank and of
             the ``c`` ranks of equal ``cp_rank % u`` (``None`` unless ``u > 1``).
+        blocks: the step's bidirectional blocks (:class:`~hf_blockdiag_cp.planning.blocks.BlockSpans`, from
+            ``block_ids``), or ``None``: the plans then hold non-causal segments for them, and the exchange covers
+            the later keys of a block held by another rank.
         shard_checksum: this rank's ``(input_ids, position_ids)`` checksums
             (:func:`~hf_blockdiag_cp.planning.fingerprint.shard_checksum`) of the rows its forward must
             receive, ``-1`` where the collator did not give that tensor (``()`` on one rank); every forward's
@@ -99,6 +103,7 @@ class BlockDiagCPContext:
     seq_group: Any = None
     shard_checksum: tuple[int, ...] = ()
     media: MediaTransfer | None = None
+    blocks: BlockSpans | None = None
     if TYPE_CHECKING:  # set by __post_init__ / to(), not a dataclass field
         origin: BlockDiagCPContext | None
 
@@ -111,7 +116,7 @@ class BlockDiagCPContext:
               placement: str | Placement | None = None,
               sliding_windows: Sequence[int | None] = (),
               position_ids: torch.Tensor | None = None, heads: HeadShape | None = None,
-              ulysses_groups: Any = None) -> BlockDiagCPContext:
+              ulysses_groups: Any = None, block_ids: torch.Tensor | None = None) -> BlockDiagCPContext:
         """Plan one rank's step: which positions it holds, its kernel segments and its K/V exchange.
 
         Args:
@@ -133,8 +138,13 @@ class BlockDiagCPContext:
             heads: the attention layers' head geometry; needed when ``config.ulysses_size != 1``.
             ulysses_groups: the :class:`~hf_blockdiag_cp.distributed.ulysses.UlyssesGroups` made at setup
                 (:func:`hf_blockdiag_cp.ulysses_groups`); needed when a step chooses ``u > 1``.
+            block_ids: ``[S]`` / ``[B, S]`` bidirectional blocks of the full rows (0 = causal token, ``k > 0``: member
+                of block ``k``; a block is a maximal run of one id inside one document): a block's tokens see each
+                other both ways, "causal, or same block" (gemma3's image tokens, PaliGemma's prefix: the collator
+                derives them from the documents' ``token_type_ids``). See :mod:`hf_blockdiag_cp.planning.blocks`.
 
-        Raises ``ValueError`` when ``group`` is a live process group whose size is not ``cp_size``.
+        Raises ``ValueError`` when ``group`` is a live process group whose size is not ``cp_size``, or when
+        ``block_ids`` is malformed (shape, negative ids, a block on padding or across a document boundary).
         """
         config = config or BlockDiagCPConfig()
         ids = as_doc_ids(doc_ids)
@@ -158,15 +168,27 @@ class BlockDiagCPContext:
             check_int("sliding_windows", w, minimum=1)
         doc_ids32 = ids.to(torch.int32).contiguous()
         tokens = _full_rows(input_ids, ids.shape)
+        blocks = None
+        if block_ids is not None:
+            blocks = block_spans(block_ids, ids)
+            blocks = blocks if blocks.count else None  # no block: plain causal, as without block_ids
         common = dict(doc_ids=doc_ids32, cp_rank=cp_rank, cp_size=cp_size, group=group,
-                      local_len=local_len, data_fingerprint=data_fingerprint(doc_ids32, tokens), config=config)
+                      local_len=local_len, data_fingerprint=data_fingerprint(doc_ids32, tokens), config=config,
+                      blocks=blocks)
         if cp_size == 1:
-            plan = build_varlen_plan(ids, local_len=local_len, validate=config.validate)
+            plan = build_varlen_plan(ids, local_len=local_len, validate=config.validate, blocks=blocks)
             # A copy: the context outlives the rows it was built from (a collator reuses their buffers).
             local_positions = None if positions is None else positions.clone()
+            # Without blocks the kernel applies a window to the full plan; a block's queries need their window in
+            # the plan (no exchange on one rank).
+            window_plans = {} if blocks is None else {w: (build_varlen_plan(
+                ids, local_len=local_len, validate=config.validate, blocks=blocks, window=w), None) for w in windows}
             return cls(row_offset=0, local_index=arange(local_len), plan=plan, local_position_ids=local_positions,
-                       **common)
+                       window_plans=window_plans, **common)
         layout = None
+        if config.ulysses_size != 1 and blocks is not None:
+            raise NotImplementedError(f"bidirectional blocks (block_ids) are not implemented with the head-parallel "
+                                      f"layout (ulysses_size={config.ulysses_size!r}); use ulysses_size=1")
         if config.ulysses_size != 1:
             layout = _plan_layout(ids, cp_size, config, placement, sliding_windows, heads)
             if layout.ulysses_size > 1:
@@ -184,11 +206,11 @@ class BlockDiagCPContext:
 
         def plans(window: int | None) -> tuple[VarlenPlan, ExchangePlan]:
             exchange = plan_exchange(ids, cp_size=cp_size, config=config, placement=placement, window=window,
-                                     documents=documents)
+                                     documents=documents, blocks=blocks)
             positions = exchange.for_rank(cp_rank).buffer_positions
             exchange.for_rank(cp_rank).send_index  # expanded here, on the host, not in the first layer
             return build_varlen_plan(ids, local_len=local_len, pieces=pieces, kv_positions=positions, window=window,
-                                     validate=config.validate, documents=documents), exchange
+                                     validate=config.validate, documents=documents, blocks=blocks), exchange
 
         plan, exchange = plans(None)
         window_plans = {w: plans(w) for w in windows}
@@ -197,7 +219,8 @@ class BlockDiagCPContext:
         planned = [(None, exchange), *((w, ex) for w, (_, ex) in window_plans.items())]
         plan_fp = plan_fingerprint(config, cp_size=cp_size, placement_kind=placement.kind,
                                    placement_rows=placement, windows=[w for w, _ in planned],
-                                   strategies=[str(ex.strategy) for _, ex in planned])
+                                   strategies=[str(ex.strategy) for _, ex in planned],
+                                   blocks=None if blocks is None else blocks.key())
         return cls(row_offset=int(local_index[0]), local_index=local_index, plan=plan, exchange=exchange,
                    placement=placement, window_plans=window_plans, plan_fingerprint=plan_fp, layout=layout,
                    **_own_shard(local_index, tokens, positions), **common)

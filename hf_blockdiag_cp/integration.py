@@ -106,6 +106,7 @@ def blockdiag_cp_attention(module: torch.nn.Module, query: torch.Tensor, key: to
                                       f"{type(module).__name__}; blockdiag_cp implements causal attention only")
         # The mask is what transformers' sdpa and eager apply; a layer's own is_causal flag can be stale.
         sliding_window = mask.spec.window
+        _check_blocks(module, mask, kwargs["cp_context"], model_type, sliding_window)
     elif not kwargs.get("is_causal", getattr(module, "is_causal", True)):
         raise NotImplementedError(f"{model_type}: blockdiag_cp implements causal (decoder) attention only "
                                   f"({type(module).__name__} is not causal)")
@@ -119,6 +120,57 @@ def blockdiag_cp_attention(module: torch.nn.Module, query: torch.Tensor, key: to
     with autocast_off:
         out = _attention(query, key, value, attention_mask, dropout, scale, sliding_window, softcap, kwargs)
     return out.reshape(query.shape[0], query.shape[2], query.shape[1], value.shape[-1]), None
+
+
+def _check_blocks(module: torch.nn.Module, mask: BlockDiagMask, ctx: Any, model_type: str,
+                  window: int | None) -> None:
+    """Bidirectional blocks ("causal, or same block": gemma3's image tokens, PaliGemma's prefix) are served only
+    when the model's mask asks for them *and* the step's context carries them (``block_ids``); a mismatch either
+    way would compute another pattern, so it is refused (host attribute reads only)."""
+    blocks = getattr(ctx, "blocks", None) if isinstance(ctx, BlockDiagCPContext) else None
+    spec = mask.spec
+    if spec.blocks is None:
+        if blocks is not None:
+            raise NotImplementedError(
+                f"{model_type}: the cp_context carries bidirectional blocks (block_ids) but the model's mask for "
+                f"{type(module).__name__} has none (e.g. no token_type_ids were given to the model): pass the "
+                "documents' token_type_ids to the model, or build the context without block_ids")
+        _refuse_bidirectional_layer(module, model_type)
+        return
+    if blocks is None:
+        raise NotImplementedError(
+            f"{model_type} builds bidirectional blocks into its attention mask (token_type_ids: gemma3's image "
+            "tokens, PaliGemma's image + prompt prefix); blockdiag_cp serves them only from the step's cp_context: "
+            "use PackingCollator with the documents' token_type_ids, or BlockDiagCPContext.build(..., "
+            "block_ids=...)")
+    if window is not None and window not in ctx.window_plans and blocks.reach > window:
+        raise NotImplementedError(
+            f"{model_type}: {type(module).__name__} has a sliding window of {window} that cuts a bidirectional "
+            f"block's keys (a block ends {blocks.reach} tokens after its document start), and the cp_context has no "
+            "plan for that window: build it with sliding_windows=hf_blockdiag_cp.sliding_windows(model) "
+            "(PackingCollator(sliding_windows=...))")
+    if spec.chunk_size is not None:
+        raise NotImplementedError(f"{model_type}: bidirectional blocks together with chunked attention "
+                                  f"(chunk_size={spec.chunk_size}) are not implemented by blockdiag_cp")
+    if spec.block_window_exempt and window is not None and blocks.max_len > window:
+        raise NotImplementedError(
+            f"{model_type}: the mask's sliding window ({window}) does not limit a block's keys, and a block of "
+            f"{blocks.max_len} tokens is longer than the window; blockdiag_cp limits every key by the window, "
+            "which equals the model's mask only for blocks no longer than the window")
+
+
+def _refuse_bidirectional_layer(module: torch.nn.Module, model_type: str) -> None:
+    """A layer whose config sets ``use_bidirectional_attention`` (PaliGemma's default: its image + prompt prefix is
+    bidirectional) under a mask with no bidirectional part: stock attention is not causal there (with no mask to
+    apply, sdpa runs the layer unmasked), so the causal result would silently differ."""
+    if getattr(module, "is_causal", True) or not getattr(getattr(module, "config", None),
+                                                         "use_bidirectional_attention", False):
+        return
+    raise NotImplementedError(
+        f"{model_type}: {type(module).__name__} has use_bidirectional_attention=True (is_causal=False: e.g. "
+        "PaliGemma's bidirectional image + prompt prefix) but its mask has no bidirectional blocks; blockdiag_cp "
+        "computes causal attention there, which differs. Pass the documents' token_type_ids (the prefix becomes a "
+        "bidirectional block) or use attn_implementation='sdpa'")
 
 
 @dataclass(frozen=True, eq=False)
@@ -186,7 +238,7 @@ def _run_local(call: LayerCall, plan: DevicePlan, config: BlockDiagCPConfig) -> 
     """One process holds every row: the plan's kernel over the layer's own K/V (no exchange)."""
     query, key, value = call.query, call.key, call.value
     spec = kernel_spec(query, key, value, dropout_p=call.dropout, window=call.window, softcap=call.softcap,
-                       sinks=call.sinks)
+                       sinks=call.sinks, noncausal=plan.plan.has_blocks)
     backend = resolve_backend(config, spec)
     return attend_flat(flat_rows(query), flat_rows(key), flat_rows(value), plan.plan, backend, scale=call.scale,
                        dropout_p=call.dropout, window=call.window, softcap=call.softcap, sinks=call.sinks,

@@ -128,23 +128,26 @@ class Alone:
 def documents_alone(kind: str, docs: Sequence[torch.Tensor], model: torch.nn.Module | None = None, *,
                     attn_implementation: str = "sdpa", labels: Sequence[torch.Tensor] | None = None,
                     first_positions: Sequence[int] | None = None, autocast: torch.dtype | None = None,
-                    reduction: str = "mean", backward: bool = True) -> Alone:
+                    reduction: str = "mean", backward: bool = True,
+                    inputs: Sequence[dict] | None = None) -> Alone:
     """The reference of every packed test: each document alone through the unmodified (stock ``"sdpa"``) model.
 
     Runs ``docs`` (1-D token tensors) one by one through ``model`` (default: the tiny model of ``kind`` with
     ``attn_implementation``), each at positions from ``first_positions[i]`` (default 0), under CPU autocast to
     ``autocast`` if given. Loss: next-token cross entropy against ``labels`` (default the documents; -100 is
     ignored), in float64, summed over documents and divided by the predicted-token count (``reduction="mean"``)
-    or not (``"sum"``); backpropagated unless ``backward=False`` (then no autograd at all).
+    or not (``"sum"``); backpropagated unless ``backward=False`` (then no autograd at all). ``inputs``: per document,
+    further model inputs (an image-text model's ``pixel_values``, ``token_type_ids``, ``position_ids``).
     """
     model = model if model is not None else tiny_model(kind, attn_implementation=attn_implementation)
     labels = docs if labels is None else labels
     starts = [None] * len(docs) if first_positions is None else first_positions
     logits, loss, count = [], 0.0, 0
     with torch.set_grad_enabled(backward and torch.is_grad_enabled()):
-        for doc, target, start in zip(docs, labels, starts):
+        for i, (doc, target, start) in enumerate(zip(docs, labels, starts)):
             # Positions only when asked: some architectures take none, and the default is 0, 1, ...
             positions = {} if start is None else {"position_ids": torch.arange(start, start + len(doc))[None]}
+            positions.update(inputs[i] if inputs is not None else {})
             with torch.autocast("cpu", dtype=autocast or torch.bfloat16, enabled=autocast is not None):
                 out = model(input_ids=doc[None], use_cache=False, **positions).logits[0].float()
             logits.append(out)
@@ -158,7 +161,7 @@ def documents_alone(kind: str, docs: Sequence[torch.Tensor], model: torch.nn.Mod
     grads = {}
     if backward:
         loss.backward()
-        grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+        grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
     return Alone(torch.cat(logits).detach(), grads, float(loss.detach()) if torch.is_tensor(loss) else loss)
 
 

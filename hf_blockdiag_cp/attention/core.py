@@ -16,6 +16,7 @@ from ..config import BlockDiagCPConfig
 from ..kernels import KernelCall, KernelSpec, available_backends, choose_backend, get_backend
 from ..kernels.base import PlanSchedules
 from ..planning import PlanError, VarlenPlan, as_doc_ids, build_varlen_plan
+from ..planning.blocks import block_spans
 
 __all__ = ["attend_flat", "autocast_like_sdpa", "blockdiag_attention", "check_qkv", "flat_rows", "kernel_spec",
            "resolve_backend"]
@@ -67,8 +68,10 @@ def check_qkv(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> No
 
 
 def kernel_spec(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *, dropout_p: float,
-                window: int | None, softcap: float | None, sinks: torch.Tensor | None = None) -> KernelSpec:
-    """The host-side facts backend availability depends on (``[B, H, seq, D]`` inputs)."""
+                window: int | None, softcap: float | None, sinks: torch.Tensor | None = None,
+                noncausal: bool = False) -> KernelSpec:
+    """The host-side facts backend availability depends on (``[B, H, seq, D]`` inputs; ``noncausal``: the plan has
+    bidirectional blocks)."""
     return KernelSpec(
         device_type=query.device.type,
         dtype=query.dtype,
@@ -80,6 +83,7 @@ def kernel_spec(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *, 
         window=window,
         softcap=softcap,
         sinks=sinks is not None,
+        noncausal=noncausal,
         requires_grad=torch.is_grad_enabled() and any(t is not None and t.requires_grad
                                                       for t in (query, key, value, sinks)),
     )
@@ -112,7 +116,7 @@ def resolve_backend(config: BlockDiagCPConfig, spec: KernelSpec, *, agreed: froz
 def attend_flat(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: VarlenPlan, backend: str, *,
                 scale: float, dropout_p: float = 0.0, window: int | None = None, softcap: float | None = None,
                 sinks: torch.Tensor | None = None, config: BlockDiagCPConfig | None = None,
-                schedules: PlanSchedules | None = None) -> torch.Tensor:
+                schedules: PlanSchedules | None = None, causal: bool = True) -> torch.Tensor:
     """Block-diagonal attention on flat rows.
 
     Args:
@@ -122,6 +126,7 @@ def attend_flat(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: VarlenP
         backend: a resolved backend name (not ``"auto"``).
         sinks: ``[Hq]`` attention-sink logits (gpt-oss ``s_aux``): join each softmax denominator.
         schedules: what kernels derived from ``plan`` in earlier calls (filled here; default: a fresh one).
+        causal: ``False`` for a plan of non-causal segments only (one part of a plan with bidirectional blocks).
 
     Returns:
         ``[B*L, Hq, Dv]``; rows of no segment (padding) are zeros.
@@ -132,6 +137,15 @@ def attend_flat(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: VarlenP
     if q.shape[0] != plan.batch_size * plan.q_rows or k.shape[0] != plan.batch_size * plan.kv_rows:
         raise PlanError(f"plan is for {plan.batch_size}x{plan.q_rows} query and {plan.batch_size}x{plan.kv_rows} "
                         f"K/V rows, got {q.shape[0]} and {k.shape[0]}")
+    if plan.parts is not None:
+        # Bidirectional blocks: the causal segments, then the non-causal ones (no window: their key ranges are
+        # exact); each query row is in exactly one part and the other part leaves it zero, so the outputs add up.
+        schedules = PlanSchedules() if schedules is None else schedules
+        outs = [attend_flat(q, k, v, part, backend, scale=scale, dropout_p=dropout_p,
+                            window=window if causal else None, softcap=softcap, sinks=sinks, config=config,
+                            schedules=schedules.part(i), causal=causal)
+                for i, (part, causal) in enumerate(zip(plan.parts, (True, False))) if part.total_q]
+        return outs[0] if len(outs) == 1 else outs[0] + outs[1]
     rows, num_q_heads, dim_v = q.shape[0], q.shape[1], v.shape[2]
     total_q = plan.total_q
     if total_q == 0:
@@ -148,7 +162,7 @@ def attend_flat(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: VarlenP
         v_packed = v.index_select(0, plan.k_index)
     call = KernelCall(plan=plan, scale=scale, dropout_p=dropout_p, window=window, softcap=softcap, sinks=sinks,
                       deterministic=config.deterministic, flash_prefix_guard=config.flash_prefix_guard,
-                      schedules=PlanSchedules() if schedules is None else schedules)
+                      schedules=PlanSchedules() if schedules is None else schedules, causal=causal)
     out = get_backend(backend).attention(q_packed, k_packed, v_packed, call)
     if total_q == rows:
         return out if plan.q_index is None else out.new_zeros(rows, num_q_heads, dim_v).index_copy(0, plan.q_index, out)
@@ -165,7 +179,8 @@ def flat_rows(x: torch.Tensor) -> torch.Tensor:
 def blockdiag_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                         doc_ids: torch.Tensor | Sequence[int], row_offset: int = 0, *, scale: float | None = None,
                         sliding_window: int | None = None, dropout_p: float = 0.0, backend: str | None = None,
-                        config: BlockDiagCPConfig | None = None) -> torch.Tensor:
+                        config: BlockDiagCPConfig | None = None, block_ids: torch.Tensor | None = None
+                        ) -> torch.Tensor:
     """Per-document causal attention of local query rows over a packed row.
 
     Args:
@@ -182,10 +197,12 @@ def blockdiag_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Ten
             (``HF_BLOCKDIAG_CP_BACKEND``, else ``"auto"``).
         config: further options (``backend``, ``deterministic``, ``validate``, ...); default
             ``BlockDiagCPConfig()``.
+        block_ids: ``[S]`` or ``[B, S]`` bidirectional blocks (0 = causal token, ``k > 0``: member of block ``k``, a
+            maximal run of one id inside one document): a block's queries also see its later keys.
 
     Returns:
         ``[B, Hq, L, Dv]``: a query attends to a key iff same document and key position <= query
-        position (and within the window); padding query rows are zeros.
+        position, or both in one block (and within the window); padding query rows are zeros.
 
     This convenience builds the plan on every call (reading ``doc_ids`` on the host); training code
     builds it once per step through the collator's context instead. Under ``torch.autocast`` q/k/v
@@ -194,13 +211,14 @@ def blockdiag_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Ten
     query, key, value, autocast_off = autocast_like_sdpa(query, key, value)
     with autocast_off:
         return _blockdiag_attention(query, key, value, doc_ids, row_offset, scale=scale,
-                                    sliding_window=sliding_window, dropout_p=dropout_p, backend=backend, config=config)
+                                    sliding_window=sliding_window, dropout_p=dropout_p, backend=backend, config=config,
+                                    block_ids=block_ids)
 
 
 def _blockdiag_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                          doc_ids: torch.Tensor | Sequence[int], row_offset: int, *, scale: float | None,
                          sliding_window: int | None, dropout_p: float, backend: str | None,
-                         config: BlockDiagCPConfig | None) -> torch.Tensor:
+                         config: BlockDiagCPConfig | None, block_ids: torch.Tensor | None = None) -> torch.Tensor:
     check_qkv(query, key, value)
     if sliding_window is not None and (not isinstance(sliding_window, int) or sliding_window < 1):
         raise ValueError(f"sliding_window={sliding_window!r} must be a positive int or None")
@@ -212,9 +230,13 @@ def _blockdiag_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Te
     if row_offset < 0 or row_offset + local_len > full_len:
         raise ValueError(f"row_offset={row_offset} + L={local_len} exceeds the key length S={full_len}")
     ids = as_doc_ids(doc_ids, batch_size=batch, length=full_len)
-    plan = build_varlen_plan(ids, local_len=local_len, row_offset=row_offset, validate=config.validate)
+    blocks = None if block_ids is None else block_spans(block_ids, ids)
+    # A block's queries need the window in the plan (the kernel applies it to causal segments only).
+    plan = build_varlen_plan(ids, local_len=local_len, row_offset=row_offset, validate=config.validate,
+                             blocks=blocks, window=None if blocks is None else sliding_window)
     plan = plan.to(query.device)
-    spec = kernel_spec(query, key, value, dropout_p=dropout_p, window=sliding_window, softcap=None)
+    spec = kernel_spec(query, key, value, dropout_p=dropout_p, window=sliding_window, softcap=None,
+                       noncausal=plan.has_blocks)
     name = resolve_backend(config, spec, backend=backend)
     out = attend_flat(flat_rows(query), flat_rows(key), flat_rows(value), plan, name,
                       scale=head_dim ** -0.5 if scale is None else scale, dropout_p=dropout_p,

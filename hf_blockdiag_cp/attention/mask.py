@@ -114,8 +114,9 @@ def blockdiag_cp_mask(batch_size: int, q_length: int, kv_length: int, q_offset: 
     (:func:`describe_mask_function`), including transformers' own packed-document detection from
     ``position_ids``, which works even for models that do not pass ``position_ids`` to their layers.
     """
-    if isinstance(attention_mask, BlockDiagMask):  # our own mask fed back by generate()
-        attention_mask = attention_mask.source
+    outer = None
+    if isinstance(attention_mask, BlockDiagMask):  # our own mask fed back (generate(), or an inner text model)
+        outer, attention_mask = attention_mask, attention_mask.source
     padding, source = None, attention_mask
     if attention_mask is not None:
         if attention_mask.dim() != 2:
@@ -128,5 +129,17 @@ def blockdiag_cp_mask(batch_size: int, q_length: int, kv_length: int, q_offset: 
         padding = padding[:, kv_offset:end]
     q_offset = int(q_offset)  # a tensor only for static caches; once per forward, not per layer
     model_type = getattr(config, "model_type", None) or "this model"
+    spec = describe_mask_function(mask_function)
+    if outer is not None:
+        _keep_outer(spec, outer.spec)
     return BlockDiagMask(padding, q_offset, int(kv_offset), int(q_length), int(kv_length), source,
-                         spec=describe_mask_function(mask_function), model_type=model_type)
+                         spec=spec, model_type=model_type)
+
+
+def _keep_outer(spec: MaskSpec, outer: MaskSpec) -> None:
+    """A composite model's text model (PaliGemma's Gemma) builds its mask again from the mask the outer model
+    built: what the outer one asked for beyond the inner causal pattern (a refusal) must not be lost."""
+    if outer.refusal is not None:
+        spec.refuse(outer.refusal)
+    if outer.blocks is not None and spec.blocks is None:
+        spec.blocks, spec.block_window_exempt = outer.blocks, outer.block_window_exempt

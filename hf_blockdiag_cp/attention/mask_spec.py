@@ -5,8 +5,9 @@ forward by composing small closures from ``transformers.masking_utils`` (causal,
 chunked, packed-sequence, ``and_masks`` / ``or_masks``, ...) and hands it to the registered mask hook.
 This module walks that composition and returns a :class:`MaskSpec`: the restrictions the
 block-diagonal path implements (causal, a sliding window, Llama 4's chunks, transformers' own packed
-document boundaries), or a ``refusal`` naming what it does not (a bidirectional mask, a union with
-another pattern, a model-defined mask function). Nothing is ever dropped silently.
+document boundaries, bidirectional blocks: ``OR(causal, block)`` of gemma3's image tokens and PaliGemma's
+prefix), or a ``refusal`` naming what it does not (a bidirectional mask, a union with another pattern, a
+model-defined mask function). Nothing is ever dropped silently.
 """
 
 from __future__ import annotations
@@ -39,6 +40,11 @@ class MaskSpec:
         packed: ``[B, L]`` transformers' packed-sequence index per token (from ``position_ids``;
             tokens with equal values form one document), or ``None`` if it found no packing.
         padding: ``[B, S]`` bool, an extra padding restriction inside the function, or ``None``.
+        blocks: ``[B, S]`` transformers' ``block_sequence_ids`` when the pattern is "causal, or same block"
+            (``OR(causal, blockwise_overlay)``), or ``None``. Never read: the blocks the layers compute come from
+            the step's ``cp_context`` (``block_ids``); this says that the model asks for them.
+        block_window_exempt: the window limits the causal part only, not the block's keys
+            (``OR(window AND causal, block)``, PaliGemma 2), where gemma3 has ``AND(window, OR(causal, block))``.
         refusal: why the block-diagonal path cannot compute this pattern exactly, or ``None``.
     """
 
@@ -49,6 +55,8 @@ class MaskSpec:
     chunk_left_padding: torch.Tensor | None = field(default=None, repr=False)
     packed: torch.Tensor | None = field(default=None, repr=False)
     padding: torch.Tensor | None = field(default=None, repr=False)
+    blocks: torch.Tensor | None = field(default=None, repr=False)
+    block_window_exempt: bool = False
     refusal: str | None = None
 
     def refuse(self, reason: str) -> None:
@@ -101,6 +109,8 @@ def _walk(fn: Callable, spec: MaskSpec) -> None:
         for part in free.get("mask_functions", ()):
             _walk(part, spec)
     elif qualname == MASK_CLOSURES["or"]:
+        if _causal_or_block(free.get("mask_functions", ()), spec):
+            return
         parts = ", ".join(_name(p) for p in free.get("mask_functions", ()))
         spec.refuse(f"the mask is a union of patterns ({parts}), e.g. bidirectional blocks for image tokens or a "
                     "prefix, which is not block-diagonal causal attention")
@@ -123,3 +133,25 @@ def _walk(fn: Callable, spec: MaskSpec) -> None:
         spec.refuse("a bidirectional sliding-window (encoder) mask")
     else:
         spec.refuse(f"the mask function {_name(fn)} is not one blockdiag_cp implements")
+
+
+def _causal_or_block(parts: tuple[Callable, ...], spec: MaskSpec) -> bool:
+    """``OR(causal pattern, blockwise_overlay)`` (gemma3's image tokens, PaliGemma's prefix): record it in ``spec``
+    and return ``True``; anything else is another union (``False``). The causal pattern may carry a window (then
+    the window does not limit the block's keys) and transformers' position remapping, nothing else."""
+    blockwise = [p for p in parts if getattr(p, "__module__", None) == _MASKING
+                 and getattr(p, "__qualname__", "") == MASK_CLOSURES["blockwise"]]
+    others = [p for p in parts if p not in blockwise]
+    if len(blockwise) != 1 or len(others) != 1:
+        return False
+    base = MaskSpec()
+    _walk(others[0], base)
+    if (base.refusal or not base.causal or base.bidirectional or base.chunk_size is not None
+            or base.packed is not None or base.padding is not None or base.blocks is not None):
+        return False
+    spec.causal = True
+    spec.blocks = _nonlocals(blockwise[0]).get("block_sequence_ids")
+    if base.window is not None:
+        spec.window = base.window if spec.window is None else min(spec.window, base.window)
+        spec.block_window_exempt = True
+    return True

@@ -13,6 +13,8 @@ its availability for a spec is derived without launching a kernel) and ``attenti
 - semantics: per segment, bottom-right causal attention (query ``i`` of a segment with ``q_len``
   queries and ``k_len`` keys sees keys ``j <= k_len - q_len + i``), optionally limited to a
   sliding window of ``window`` keys (``j > k_len - q_len + i - window``, transformers' convention);
+  with ``call.causal`` False (the non-causal part of a plan with bidirectional blocks, declared by
+  ``Capabilities.noncausal``), every query of a segment sees all its keys and there is no window;
 - optional features, each declared in ``CAPABILITIES`` (a backend that lacks one is not chosen): ``Dv != D``
   (``KernelSpec.value_dim``), logit softcapping (``softcap * tanh(scale * q.k / softcap)`` before the
   mask and softmax, gemma2), attention sinks (``KernelCall.sinks [Hq]``: one learned logit per query
@@ -51,6 +53,7 @@ class KernelSpec:
     softcap: float | None = None
     requires_grad: bool = False
     sinks: bool = False  # whether the call passes KernelCall.sinks
+    noncausal: bool = False  # whether the plan has non-causal segments (bidirectional blocks)
 
 
 class TokenCoordinates(NamedTuple):
@@ -79,6 +82,13 @@ class PlanSchedules:
 
     token_coordinates: TokenCoordinates | None = None
     by_backend: dict[tuple[str, Any], Any] = field(default_factory=dict)
+    parts: dict[int, PlanSchedules] = field(default_factory=dict)
+
+    def part(self, index: int) -> PlanSchedules:
+        """The schedules of part ``index`` of a plan with bidirectional blocks (``VarlenPlan.parts``)."""
+        if index not in self.parts:
+            self.parts[index] = PlanSchedules()
+        return self.parts[index]
 
     def get(self, backend: str, key: Any, build: Callable[[], T]) -> T:
         """``backend``'s schedule for ``key``, built by ``build()`` the first time it is asked for."""
@@ -103,6 +113,8 @@ class KernelCall:
     # [Hq] attention-sink logits (any float dtype; gradients flow back to it), or None.
     sinks: torch.Tensor | None = None
     schedules: PlanSchedules = field(default_factory=PlanSchedules, repr=False)
+    # False: every query of a segment sees all the segment's keys (bidirectional blocks; ``window`` is None).
+    causal: bool = True
 
     @property
     def causal_window(self) -> tuple[int, int]:
@@ -110,9 +122,12 @@ class KernelCall:
         return (-1, 0) if self.window is None else (self.window - 1, 0)
 
 
-def reject_unsupported(call: KernelCall, backend: str, *, softcap: bool = False, sinks: bool = False) -> None:
+def reject_unsupported(call: KernelCall, backend: str, *, softcap: bool = False, sinks: bool = False,
+                       noncausal: bool = False) -> None:
     """Raise :class:`BackendUnavailable` when ``call`` asks ``backend`` for a feature it lacks (the
     availability check should have said so; this keeps a direct call from silently ignoring it)."""
+    if not call.causal and not noncausal:
+        raise BackendUnavailable(f"backend {backend!r} has no non-causal segments (bidirectional blocks)")
     if call.softcap is not None and not softcap:
         raise BackendUnavailable(f"backend {backend!r} has no logit softcapping (softcap={call.softcap})")
     if call.sinks is not None and not sinks:
@@ -139,6 +154,8 @@ class Capabilities:
         max_head_dim: the largest head dim (``None``: no limit).
         value_dim: whether it runs ``Dv != D``; dropout, softcap, sinks: whether it applies them;
             dropout_with_extras: whether dropout combines with softcap or sinks.
+        noncausal: whether it runs non-causal segments (``KernelCall.causal=False``: bidirectional blocks);
+            noncausal_with_extras: whether those combine with softcap or sinks.
         cpu_backward: whether it has a backward on CPU (``False``: inference only there).
         auto: its preference rank for ``backend="auto"`` per device type (``"default"``: any other device);
             absent: never picked automatically unless as a last resort.
@@ -157,6 +174,8 @@ class Capabilities:
     softcap: bool = True
     sinks: bool = True
     dropout_with_extras: bool = True
+    noncausal: bool = False
+    noncausal_with_extras: bool = True
     cpu_backward: bool = True
     auto: dict[str, int] = field(default_factory=dict)
     last_resort: int | None = None
@@ -193,6 +212,10 @@ class Capabilities:
             return f"{lib} has no attention sinks"
         if not self.dropout_with_extras and spec.dropout_p > 0 and (spec.softcap is not None or spec.sinks):
             return f"{lib} applies no dropout together with logit softcapping or attention sinks"
+        if spec.noncausal and not self.noncausal:
+            return f"{lib} has no non-causal segments (bidirectional blocks)"
+        if spec.noncausal and not self.noncausal_with_extras and (spec.softcap is not None or spec.sinks):
+            return f"{lib} has no non-causal segments (bidirectional blocks) with logit softcapping or attention sinks"
         return None
 
 
@@ -223,8 +246,11 @@ def _token_coordinates(plan: VarlenPlan) -> TokenCoordinates:
 
 
 def visible(q_seg: torch.Tensor, q_pos: torch.Tensor, k_seg: torch.Tensor, k_pos: torch.Tensor,
-            window: int | None) -> torch.Tensor:
-    """Boolean visibility for broadcastable query/key coordinates (see :func:`token_coordinates`)."""
+            window: int | None, causal: bool = True) -> torch.Tensor:
+    """Boolean visibility for broadcastable query/key coordinates (see :func:`token_coordinates`); not
+    ``causal``: every key of the query's segment."""
+    if not causal:
+        return q_seg == k_seg
     allowed = (q_seg == k_seg) & (k_pos <= q_pos)
     if window is not None:
         allowed = allowed & (k_pos > q_pos - window)

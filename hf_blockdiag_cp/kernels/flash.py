@@ -21,7 +21,7 @@ MODULE = "flash_attn"
 
 
 CAPABILITIES = Capabilities(NAME, "flash-attn", module=MODULE, devices=("cuda",), dtypes=HALF_DTYPES,
-                            max_head_dim=256, value_dim=False, sinks=False, auto={"cuda": 0})
+                            max_head_dim=256, value_dim=False, sinks=False, noncausal=True, auto={"cuda": 0})
 
 
 @dataclass(frozen=True, eq=False)
@@ -79,14 +79,16 @@ def _build_guard(call: KernelCall) -> PrefixGuard:
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, call: KernelCall) -> torch.Tensor:
-    reject_unsupported(call, NAME, softcap=True)
+    reject_unsupported(call, NAME, softcap=True, noncausal=True)
     fa, reason = optional_import(MODULE)
     if fa is None:
         raise RuntimeError(reason)
     plan = call.plan
-    common = dict(dropout_p=call.dropout_p, softmax_scale=call.scale, causal=True, window_size=call.causal_window,
+    # Non-causal segments (bidirectional blocks) see all their keys: no mask, no window, and no prefix to guard.
+    window = call.causal_window if call.causal else (-1, -1)
+    common = dict(dropout_p=call.dropout_p, softmax_scale=call.scale, causal=call.causal, window_size=window,
                   softcap=call.softcap or 0.0, deterministic=call.deterministic)
-    if not call.flash_prefix_guard or not plan.prefix_segments:
+    if not call.flash_prefix_guard or not plan.prefix_segments or not call.causal:
         return fa.flash_attn_varlen_func(q, k, v, plan.cu_seqlens_q, plan.cu_seqlens_k, plan.max_seqlen_q,
                                          plan.max_seqlen_k, **common)
     guard = call.schedules.get(NAME, "prefix_guard", lambda: _build_guard(call))

@@ -66,7 +66,8 @@ _cpu_flash = CPU_FLASH_ATTENTION
 _cpu_flash_bwd = CPU_FLASH_ATTENTION_BACKWARD
 
 
-CAPABILITIES = Capabilities(NAME, "sdpa_doc", dropout_with_extras=False, auto={"cuda": 3, "default": 0})
+CAPABILITIES = Capabilities(NAME, "sdpa_doc", dropout_with_extras=False, noncausal=True, noncausal_with_extras=False,
+                            auto={"cuda": 3, "default": 0})
 
 
 @dataclass(frozen=True, eq=False)
@@ -206,6 +207,9 @@ def _cpu_has_native(dtype: torch.dtype) -> bool:
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, call: KernelCall) -> torch.Tensor:
     """Packed ``q [Tq,Hq,D]``, ``k [Tk,Hkv,D]``, ``v [Tk,Hkv,Dv]`` -> ``[Tq,Hq,Dv]`` (see kernels.base)."""
     if call.softcap is not None or call.sinks is not None:
+        if not call.causal:
+            raise BackendUnavailable("sdpa_doc has no non-causal segments (bidirectional blocks) with logit "
+                                     "softcapping or attention sinks")
         return _chunked_attention(q, k, v, call)
     if q.device.type == "cpu" and q.dtype in (torch.bfloat16, torch.float16) and not _cpu_has_native(q.dtype):
         return attention(q.float(), k.float(), v.float(), call).to(q.dtype)
@@ -238,7 +242,20 @@ def _chunked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, call: 
     return pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=0)
 
 
+def _full_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, call: KernelCall) -> torch.Tensor:
+    """Non-causal segments (a bidirectional block's queries over all the keys they see): one mask-free SDPA call
+    per segment."""
+    q_lens, k_lens = [s.q_len for s in call.plan.segments], [s.k_len for s in call.plan.segments]
+    gqa = q.shape[1] != k.shape[1]
+    pieces = [F.scaled_dot_product_attention(_heads_first(qs), _heads_first(ks), _heads_first(vs),
+                                             dropout_p=call.dropout_p, scale=call.scale, enable_gqa=gqa)[0]
+              .transpose(0, 1) for qs, ks, vs in zip(q.split(q_lens), k.split(k_lens), v.split(k_lens))]
+    return pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=0)
+
+
 def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, call: KernelCall) -> torch.Tensor:
+    if not call.causal:
+        return _full_attention(q, k, v, call)
     plan = call.plan
     sched = schedule(call)
     gqa = q.shape[1] != k.shape[1]

@@ -24,7 +24,7 @@ NAME = "sdpa_mask"
 
 
 CAPABILITIES = Capabilities(NAME, "sdpa_mask (scaled_dot_product_attention)", softcap=False, sinks=False,
-                            last_resort=1)
+                            noncausal=True, last_resort=1)
 
 
 def _build_masks(call: KernelCall) -> tuple[torch.Tensor, ...]:
@@ -44,12 +44,14 @@ def segment_masks(call: KernelCall) -> tuple[torch.Tensor, ...]:
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, call: KernelCall) -> torch.Tensor:
     """Packed ``q [Tq,Hq,D]``, ``k [Tk,Hkv,D]``, ``v [Tk,Hkv,Dv]`` -> ``[Tq,Hq,Dv]`` (see kernels.base)."""
-    reject_unsupported(call, NAME)
+    reject_unsupported(call, NAME, noncausal=True)
     plan = call.plan
     q_lens, k_lens = [s.q_len for s in plan.segments], [s.k_len for s in plan.segments]
     gqa = q.shape[1] != k.shape[1]
     pieces = []
-    for qs, ks, vs, mask in zip(q.split(q_lens), k.split(k_lens), v.split(k_lens), segment_masks(call)):
+    # A non-causal segment (a bidirectional block's queries) sees all its keys: no mask.
+    masks = segment_masks(call) if call.causal else (None,) * len(q_lens)
+    for qs, ks, vs, mask in zip(q.split(q_lens), k.split(k_lens), v.split(k_lens), masks):
         # [n, H, D] -> [1, H, n, D] views; the output goes back to [n, Hq, Dv].
         out = F.scaled_dot_product_attention(qs.transpose(0, 1).unsqueeze(0), ks.transpose(0, 1).unsqueeze(0),
                                              vs.transpose(0, 1).unsqueeze(0), attn_mask=mask, dropout_p=call.dropout_p,

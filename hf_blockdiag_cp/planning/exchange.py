@@ -32,6 +32,7 @@ import numpy as np
 import torch
 
 from ..config import BlockDiagCPConfig
+from .blocks import BlockSpans
 from .documents import arange, as_doc_ids, document_runs, run_starts
 from .placement import Placement, contiguous_placement
 from .varlen import PlanError
@@ -51,13 +52,16 @@ class Strategy(str, enum.Enum):
         return self.value
 
 
-def needed_positions(doc_ids_row: torch.Tensor, positions: torch.Tensor, window: int | None = None) -> torch.Tensor:
+def needed_positions(doc_ids_row: torch.Tensor, positions: torch.Tensor, window: int | None = None,
+                     block_ids_row: torch.Tensor | None = None) -> torch.Tensor:
     """Sorted global positions of the keys that the real queries at ``positions`` need.
 
     Args:
         doc_ids_row: ``[S]`` full-row document ids (0 = padding).
         positions: ``[n]`` global positions of one rank's queries.
         window: sliding window (keys ``p - window + 1 .. p``), ``None`` = the document's whole prefix.
+        block_ids_row: ``[S]`` bidirectional blocks (:mod:`.blocks`; 0 = causal): a block query needs its block's
+            later keys too.
     """
     row = doc_ids_row.to(torch.int64)
     query = positions[row[positions] != 0]
@@ -67,15 +71,21 @@ def needed_positions(doc_ids_row: torch.Tensor, positions: torch.Tensor, window:
     low = run_starts(row)[query]
     if window is not None:
         low = torch.maximum(low, query - window + 1)
+    high = query
+    if block_ids_row is not None:
+        blocks = block_ids_row.to(torch.int64)
+        # The last position of every position's run of equal block ids (a block's end - 1).
+        run_last = blocks.numel() - 1 - run_starts(blocks.flip(0)).flip(0)
+        high = torch.where(blocks[query] > 0, run_last[query], query)
     # Union of the intervals [low, query]: with queries ascending, a new interval starts where its
     # low end lies beyond every earlier interval's end.
-    reach = torch.cummax(query, 0).values
+    reach = torch.cummax(high, 0).values
     fresh = torch.ones_like(query, dtype=torch.bool)
     fresh[1:] = low[1:] > reach[:-1] + 1
     group = torch.cumsum(fresh.to(torch.int64), 0) - 1
     count = int(group[-1]) + 1
     starts = torch.full((count,), row.numel(), dtype=torch.int64).scatter_reduce(0, group, low, "amin")
-    ends = torch.zeros(count, dtype=torch.int64).scatter_reduce(0, group, query + 1, "amax")
+    ends = torch.zeros(count, dtype=torch.int64).scatter_reduce(0, group, high + 1, "amax")
     lengths = ends - starts
     return torch.repeat_interleave(starts - (torch.cumsum(lengths, 0) - lengths), lengths) + arange(
         int(lengths.sum()))
@@ -217,7 +227,8 @@ class ExchangePlan:
 
 def plan_exchange(doc_ids: torch.Tensor, *, cp_size: int, config: BlockDiagCPConfig | None = None,
                   placement: Placement | None = None, window: int | None = None,
-                  documents: tuple[np.ndarray, np.ndarray] | None = None) -> ExchangePlan:
+                  documents: tuple[np.ndarray, np.ndarray] | None = None,
+                  blocks: BlockSpans | None = None) -> ExchangePlan:
     """Plan the K/V exchange for one packed row ``doc_ids [S]`` or ``[1, S]`` over ``cp_size`` ranks.
 
     Args:
@@ -228,6 +239,7 @@ def plan_exchange(doc_ids: torch.Tensor, *, cp_size: int, config: BlockDiagCPCon
         window: plan for a layer with this sliding window (``None``: full causal layers).
         documents: the row's :func:`~hf_blockdiag_cp.planning.documents.document_runs`, if the caller has them
             (else computed here: one pass over the row).
+        blocks: the row's bidirectional blocks (:mod:`.blocks`): a block query needs the keys up to its block's end.
     """
     config = config or BlockDiagCPConfig()
     ids = as_doc_ids(doc_ids)
@@ -242,7 +254,7 @@ def plan_exchange(doc_ids: torch.Tensor, *, cp_size: int, config: BlockDiagCPCon
         raise PlanError(f"the placement is for P={placement.cp_size}, S={placement.full_len}, not P={cp_size}, "
                         f"S={full_len}")
     local_len = placement.local_len
-    moves = _remote_runs(row, placement, window, documents)
+    moves = _remote_runs(row, placement, window, documents, None if blocks is None else blocks.row(0))
     counts = moves.counts
     moved = bool(counts.any())
     halo_valid = moves.halo_valid
@@ -304,19 +316,23 @@ class _Moves:
 
 
 def _remote_runs(row: torch.Tensor, placement: Placement, window: int | None,
-                 documents: tuple[np.ndarray, np.ndarray] | None = None) -> _Moves:
+                 documents: tuple[np.ndarray, np.ndarray] | None = None,
+                 blocks: tuple[np.ndarray, np.ndarray] | None = None) -> _Moves:
     """What every rank needs from every other rank, computed on runs (document pieces), not tokens.
 
     A rank's queries are the pieces where its placement runs meet documents; a query piece ``[a, b)`` of the
     document starting at ``ds`` needs keys ``[max(ds, a - window + 1), b)`` (``ds`` without a window), the
     union of its queries' needs. The union of a rank's intervals, cut by the placement runs of other ranks,
     is what it receives. Cost: ``O(runs + documents)`` per rank pair touched, no pass over the row per rank.
+    With bidirectional ``blocks`` (``(starts, ends)``) the row is cut at block boundaries too, and a piece inside a
+    block needs keys up to the block's end: ``[low, block end)``.
     """
     runs = placement.runs
     cp_size, local_len, full_len = placement.cp_size, placement.local_len, placement.full_len
     doc_start, doc_end = document_runs(row) if documents is None else documents
     # Elementary pieces: cut the row at every run start and every document boundary.
-    cuts = np.union1d(runs.start, np.concatenate([doc_start, doc_end]))
+    block_start, block_end = blocks if blocks is not None else (np.zeros(0, np.int64), np.zeros(0, np.int64))
+    cuts = np.union1d(runs.start, np.concatenate([doc_start, doc_end, block_start, block_end]))
     cuts = cuts[cuts < full_len].astype(np.int64)
     piece_end = np.append(cuts[1:], full_len)
     doc = np.searchsorted(doc_start, cuts, side="right") - 1
@@ -324,6 +340,10 @@ def _remote_runs(row: torch.Tensor, placement: Placement, window: int | None,
     a, b, doc = cuts[real], piece_end[real], doc[real]
     rank = runs.rank[np.searchsorted(runs.start, a, side="right") - 1]
     low = doc_start[doc] if window is None else np.maximum(doc_start[doc], a - window + 1)
+    if block_start.size:  # a piece inside a block (pieces are cut at block boundaries) needs its later keys
+        k = np.searchsorted(block_start, a, side="right") - 1
+        inside = (k >= 0) & (a < block_end[np.maximum(k, 0)])
+        b = np.where(inside, block_end[np.maximum(k, 0)], b)
     # Per rank, queries ascending: lows ascend too (within a document with the query, across documents by
     # the document order), so a new interval of the union starts where its low passes the previous end.
     order = np.lexsort((a, rank))

@@ -34,7 +34,7 @@ def fingerprint(*parts: bytes | memoryview | np.ndarray) -> int:
 #: so that a mismatch can be quoted with each rank's value; the rest are hashes of derived facts.
 PLAN_FIELDS: tuple[str, ...] = ("cp_size", "placement", "balance_tolerance", "kv_exchange", "backend",
                                 "sliding_windows", "placement_rows", "exchange_strategies", "ulysses_size", "layout",
-                                "ulysses_groups", "recurrent_layout")
+                                "ulysses_groups", "recurrent_layout", "bidirectional_blocks")
 
 
 class PlanFingerprint(int):
@@ -59,7 +59,8 @@ def _float_bits(x: float) -> int:
 
 def plan_fingerprint(config: BlockDiagCPConfig, *, cp_size: int, placement_kind: str, placement_rows: torch.Tensor,
                      windows: Sequence[int | None], strategies: Sequence[str], ulysses_size: int = 1,
-                     layout: bytes | None = None, ulysses_groups: int = 0) -> PlanFingerprint:
+                     layout: bytes | None = None, ulysses_groups: int = 0,
+                     blocks: bytes | None = None) -> PlanFingerprint:
     """The fingerprint of what every CP rank must have planned alike.
 
     Args:
@@ -72,6 +73,8 @@ def plan_fingerprint(config: BlockDiagCPConfig, *, cp_size: int, placement_kind:
             :meth:`~hf_blockdiag_cp.planning.layout.LayoutPlan.key` (``None``: 0, today's layout).
         ulysses_groups: the :attr:`~hf_blockdiag_cp.distributed.ulysses.UlyssesGroups.tag` of the head-parallel
             subgroups a ``u > 1`` step uses (0 without): the same on every rank only for one creation of them.
+        blocks: the :meth:`~hf_blockdiag_cp.planning.blocks.BlockSpans.key` of the step's bidirectional blocks
+            (``None``: 0, none): every rank's exchange covers the later keys of their blocks alike.
     """
     # The tolerance shapes only a balanced placement: other placements do not compare it (-1: no
     # float's bits, as tolerances are >= 0).
@@ -91,6 +94,7 @@ def plan_fingerprint(config: BlockDiagCPConfig, *, cp_size: int, placement_kind:
         "ulysses_groups": ulysses_groups,
         # Recurrent layers issue different collectives per layout (all-gather vs all-to-all): agreed like a request.
         "recurrent_layout": RECURRENT_LAYOUTS.index(config.recurrent_layout),
+        "bidirectional_blocks": 0 if blocks is None else fingerprint(blocks),
     })
 
 

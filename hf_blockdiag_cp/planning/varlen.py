@@ -29,6 +29,7 @@ import numpy as np
 import torch
 
 from ..errors import PlanError
+from .blocks import BlockSpans
 from .documents import arange, as_doc_ids, document_spans
 
 __all__ = ["PlanError", "QueryPiece", "Segment", "VarlenPlan", "build_varlen_plan", "plan_from_segments"]
@@ -49,12 +50,14 @@ class QueryPiece:
 class Segment:
     """One document piece in flat coordinates: query rows ``[q_start, q_start + q_len)`` of the
     ``B * L`` local rows attend key rows ``[k_start, k_start + k_len)`` of the ``B * S_kv`` buffer
-    rows, bottom-right aligned (``k_len >= q_len``)."""
+    rows, bottom-right aligned (``k_len >= q_len``); a non-``causal`` segment (a run of queries of one
+    bidirectional block, :mod:`.blocks`) lets every query see all ``k_len`` keys."""
 
     q_start: int
     q_len: int
     k_start: int
     k_len: int
+    causal: bool = True
 
     @property
     def prefix(self) -> int:
@@ -80,6 +83,9 @@ class VarlenPlan:
         k_index: ``[Tk]`` int64 flat K/V rows in packed order, or ``None`` when they are rows
             ``[k_offset, k_offset + Tk)``.
         k_offset: first flat K/V row when ``k_index`` is ``None``.
+        parts: when some segments are not causal (bidirectional blocks): ``(causal, full)``, the plans of the
+            causal segments and of the non-causal ones over the same rows (each query row is in exactly one, so
+            their outputs add up); ``None`` when every segment is causal.
     """
 
     batch_size: int
@@ -96,6 +102,12 @@ class VarlenPlan:
     q_index: torch.Tensor | None
     k_index: torch.Tensor | None
     k_offset: int
+    parts: tuple[VarlenPlan, VarlenPlan] | None = None
+
+    @property
+    def has_blocks(self) -> bool:
+        """Whether some segments are not causal (a query of a bidirectional block sees later keys)."""
+        return self.parts is not None
 
     @property
     def num_segments(self) -> int:
@@ -135,12 +147,14 @@ class VarlenPlan:
             cu_seqlens_k=move(self.cu_seqlens_k),
             q_index=move(self.q_index),
             k_index=move(self.k_index),
+            parts=None if self.parts is None else tuple(p.to(device, non_blocking) for p in self.parts),
         )
 
     def describe(self) -> str:
         return (f"VarlenPlan(B={self.batch_size}, L={self.q_rows}, S_kv={self.kv_rows}, segments={self.num_segments},"
                 f" Tq={self.total_q}, Tk={self.total_k}, max_q={self.max_seqlen_q}, max_k={self.max_seqlen_k},"
                 f" prefix_segments={len(self.prefix_segments)}, gather_q={self.q_index is not None},"
+                f" full_segments={0 if self.parts is None else self.parts[1].num_segments},"
                 f" gather_k={self.k_index is not None})")
 
     def validate(self) -> None:
@@ -160,14 +174,21 @@ def _concat_ranges(starts: list[int], lens: list[int]) -> torch.Tensor:
 
 def plan_from_segments(segments: Sequence[Segment], *, batch_size: int, q_rows: int, kv_rows: int,
                        kv_ranges: Sequence[tuple[int, int]] | None = None, kv_order: torch.Tensor | None = None,
-                       validate: bool = True) -> VarlenPlan:
+                       validate: bool = True, split: bool = True) -> VarlenPlan:
     """Build a :class:`VarlenPlan` (CPU tensors) from explicit segments.
 
     ``kv_order [kv_rows]`` (optional, ``B = 1``): the segments' key rows are coordinates of the
     buffer sorted by global position, and ``kv_order[i]`` is the real buffer row holding sorted row
     ``i`` (an exchange that lays received rows before the local ones); the key gather goes through it.
+    ``split``: with non-causal segments, also build the plan's ``parts`` (``False`` for the parts themselves).
     """
     segs = tuple(sorted(segments, key=lambda s: s.q_start))
+    parts = None
+    if split and any(not s.causal for s in segs):
+        # Each part is uniform (its own parts stay None); the causal part may be empty.
+        parts = tuple(plan_from_segments([s for s in segs if s.causal is causal], batch_size=batch_size,
+                                         q_rows=q_rows, kv_rows=kv_rows, kv_ranges=kv_ranges, kv_order=kv_order,
+                                         validate=validate, split=False) for causal in (True, False))
     q_lens = [s.q_len for s in segs]
     k_lens = [s.k_len for s in segs]
     host_cu_q, host_cu_k = [0], [0]
@@ -200,6 +221,7 @@ def plan_from_segments(segments: Sequence[Segment], *, batch_size: int, q_rows: 
         q_index=None if q_contiguous else _concat_ranges([s.q_start for s in segs], q_lens),
         k_index=k_index,
         k_offset=k_offset,
+        parts=parts,
     )
     if validate:
         plan.validate()
@@ -210,7 +232,8 @@ def build_varlen_plan(doc_ids: torch.Tensor | Sequence[int], *, local_len: int |
                       pieces: Sequence[QueryPiece] | None = None, kv_ranges: Sequence[tuple[int, int]] | None = None,
                       kv_positions: torch.Tensor | None = None, window: int | None = None,
                       batch_size: int | None = None, validate: bool = True,
-                      documents: tuple[np.ndarray, np.ndarray] | None = None) -> VarlenPlan:
+                      documents: tuple[np.ndarray, np.ndarray] | None = None,
+                      blocks: BlockSpans | None = None) -> VarlenPlan:
     """Plan the local rows of one rank from full-row document ids.
 
     Args:
@@ -227,6 +250,7 @@ def build_varlen_plan(doc_ids: torch.Tensor | Sequence[int], *, local_len: int |
         validate: check the plan before returning it.
         documents: the :func:`~hf_blockdiag_cp.planning.documents.document_runs` of a one-row ``doc_ids``, if the
             caller has them (else computed here: one pass over each row).
+        blocks: the rows' bidirectional blocks (:mod:`.blocks`): their query runs become non-causal segments.
 
     Returns:
         A CPU :class:`VarlenPlan`; move it with :meth:`VarlenPlan.to` once per step.
@@ -297,15 +321,50 @@ def build_varlen_plan(doc_ids: torch.Tensor | Sequence[int], *, local_len: int |
             qa, qb = max(ds, gs), min(de, gs + n)
             if qa >= qb:
                 continue
-            ks = ds if window is None else max(ds, qa - window + 1)
-            segments.append(Segment(
-                q_start=b * local_len + piece.local_start + (qa - gs),
-                q_len=qb - qa,
-                k_start=b * kv_rows + buffer_row(ks, qb),
-                k_len=qb - ks,
-            ))
+            q_first = b * local_len + piece.local_start - gs  # local row of global position 0 of this piece
+            for ra, rb, block_end in _query_runs(qa, qb, None if blocks is None else blocks.row(b)):
+                if block_end is None:  # causal run: bottom-right causal, the kernel applies the window
+                    ks = ds if window is None else max(ds, ra - window + 1)
+                    segments.append(Segment(q_first + ra, rb - ra, b * kv_rows + buffer_row(ks, rb), rb - ks))
+                    continue
+                for xa, xb, ks in _block_key_starts(ra, rb, ds, window):
+                    segments.append(Segment(q_first + xa, xb - xa, b * kv_rows + buffer_row(ks, block_end),
+                                            block_end - ks, causal=False))
     return plan_from_segments(segments, batch_size=num_rows, q_rows=local_len, kv_rows=kv_rows, kv_ranges=ranges,
                               kv_order=kv_order, validate=validate)
+
+
+def _query_runs(qa: int, qb: int, row_blocks: tuple[np.ndarray, np.ndarray] | None
+                ) -> list[tuple[int, int, int | None]]:
+    """The queries ``[qa, qb)`` of one document cut at block boundaries: ``(start, end, block end or None)``."""
+    if row_blocks is None or not row_blocks[0].size:
+        return [(qa, qb, None)]
+    starts, ends = row_blocks
+    runs: list[tuple[int, int, int | None]] = []
+    pos = qa
+    i = max(int(np.searchsorted(ends, qa, side="right")), 0)  # first block ending after qa
+    while i < starts.size and starts[i] < qb:
+        a, e = max(int(starts[i]), qa), min(int(ends[i]), qb)
+        if pos < a:
+            runs.append((pos, a, None))
+        runs.append((a, e, int(ends[i])))
+        pos = e
+        i += 1
+    if pos < qb:
+        runs.append((pos, qb, None))
+    return runs
+
+
+def _block_key_starts(ra: int, rb: int, doc_start: int, window: int | None) -> list[tuple[int, int, int]]:
+    """The block queries ``[ra, rb)`` grouped by their first key ``lo(t) = max(doc_start, t - window + 1)``:
+    ``(start, end, lo)``; one group without a window, else one for the queries whose window reaches the document
+    start and one per later query."""
+    if window is None:
+        return [(ra, rb, doc_start)]
+    reach = min(rb, max(ra, doc_start + window))  # queries t < reach have t - window + 1 <= doc_start
+    groups = [(ra, reach, doc_start)] if reach > ra else []
+    groups.extend((t, t + 1, t - window + 1) for t in range(reach, rb))
+    return groups
 
 
 def _validate(plan: VarlenPlan) -> None:

@@ -21,7 +21,7 @@ LENGTHS = [7, 1, 12, 4]
 DATA_FIELDS = {"doc_ids", "cp_rank", "cp_size", "group", "row_offset", "local_len", "local_index", "plan", "exchange",
                "data_fingerprint", "config", "placement", "window_plans", "local_position_ids", "plan_fingerprint",
                "layout", "head_group", "seq_group",
-               "shard_checksum", "media"}  # the last three: issue 18's head-parallel layout
+               "shard_checksum", "media", "blocks"}  # media, blocks: issue 32 (images under CP, bidirectional blocks)
 
 
 def _doc_ids() -> torch.Tensor:
