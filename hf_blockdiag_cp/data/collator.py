@@ -22,6 +22,7 @@ from .multimodal import media_spec
 from .packing import check_overflow, rows_of_documents
 from .rows import PackedRow, assemble_rows
 from .sharding import rank_batch, resolve_cp, row_multiple
+from .windows import sliding_windows as model_sliding_windows
 
 __all__ = ["PackingCollator"]
 
@@ -115,6 +116,9 @@ class PackingCollator:
             self.config = dataclasses.replace(self.config, ulysses_size=ulysses_size)
         self.heads, self.ulysses_groups = _layout_inputs(self.config, self.cp_size, heads, model_config, ulysses_groups)
         self.media = media_spec(model_config)
+        if self.media is not None and self.media.blocks is not None and sliding_windows is None:
+            # A window cuts a bidirectional block's keys only with its own plan: take the model's windows.
+            self.sliding_windows = tuple(model_sliding_windows(model_config))
         self._layouts_logged: set[tuple[int, int]] = set()
         for window in self.sliding_windows:
             if window is not None:

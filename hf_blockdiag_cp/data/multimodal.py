@@ -70,6 +70,9 @@ class MediaSpec:
         five_d: ``pixel_values`` is laid out ``[1, N, C, H, W]`` (idefics3 / smolvlm) rather than ``[N, ...]``.
         size_step: images of varying size (mistral3): an image of ``image_sizes`` ``(h, w)`` gives
             ``(h // size_step) * (w // size_step)`` feature rows (``None``: not this rule).
+        blocks: which tokens attend each other both ways, from the per-token types: ``"ones"`` (gemma3: each run of
+            type 1, an image's soft tokens), ``"prefix"`` (paligemma: the type-0 prefix, images and prompt), or
+            ``None`` (plain causal).
 
     Items are the units the vision encoder takes one at a time: an image, a video, or a tile of a tiled image
     (idefics3, smolvlm, internvl: each tile has its own placeholder run and feature rows).
@@ -82,6 +85,7 @@ class MediaSpec:
     token_type_key: str | None = None
     five_d: bool = False
     size_step: int | None = None
+    blocks: str | None = None
 
     @property
     def mrope(self) -> bool:
@@ -132,8 +136,9 @@ def media_spec(model_or_config: Any) -> MediaSpec | None:
     size_step = None
     if model_type in ("mistral3", "pixtral", "lighton_ocr"):
         size_step = config.vision_config.patch_size * getattr(config, "spatial_merge_size", 1)
+    blocks = {"gemma3": "ones", "paligemma": "prefix"}.get(model_type)
     return MediaSpec(model_type, token_ids, merge, rope_index, token_type_key,
-                     five_d=model_type in ("idefics3", "smolvlm", "idefics2"), size_step=size_step)
+                     five_d=model_type in ("idefics3", "smolvlm", "idefics2"), size_step=size_step, blocks=blocks)
 
 
 def _tensor(value: Any, where: str) -> torch.Tensor:
@@ -285,12 +290,15 @@ class RowMedia:
         positions: ``[3, B, S]`` int64 mrope positions (each document's own, 0 at padding), or ``None``.
         token_types: ``[B, S]`` int64 per-token type ids (0 for text and padding), or ``None``.
         spec: the model's :class:`MediaSpec`.
+        block_ids: ``[B, S]`` int64 bidirectional blocks (0: causal token, ``k > 0``: block ``k``, inside one
+            document) for :meth:`~hf_blockdiag_cp.BlockDiagCPContext.build`, or ``None``.
     """
 
     items: tuple[MediaItem, ...]
     positions: torch.Tensor | None
     token_types: torch.Tensor | None
     spec: MediaSpec
+    block_ids: torch.Tensor | None = None
 
     def ordered(self) -> list[MediaItem]:
         """The items images first, then videos (row order within a kind): the order of the model's feature rows."""
@@ -317,6 +325,8 @@ def row_media(rows: Sequence[Sequence[Any]], length: int, text_positions: torch.
     if spec.mrope:
         positions = text_positions[None].expand(3, -1, -1).clone()
     token_types = torch.zeros((batch, length), dtype=torch.int64) if spec.token_type_key is not None else None
+    block_ids = torch.zeros((batch, length), dtype=torch.int64) if spec.blocks is not None else None
+    next_block = 1
     for b, row in enumerate(rows):
         start = 0
         for d in row:
@@ -325,5 +335,27 @@ def row_media(rows: Sequence[Sequence[Any]], length: int, text_positions: torch.
                 positions[:, b, start:start + n] = d.mrope
             if token_types is not None and d.token_types is not None:
                 token_types[b, start:start + n] = d.token_types
+            if block_ids is not None:
+                next_block = _document_blocks(d, spec, block_ids[b, start:start + n], next_block)
             start += n
-    return RowMedia(tuple(it for d in docs for it in d.media), positions, token_types, spec)
+    return RowMedia(tuple(it for d in docs for it in d.media), positions, token_types, spec, block_ids)
+
+
+def _document_blocks(doc: Any, spec: MediaSpec, out: torch.Tensor, first: int) -> int:
+    """Write ``doc``'s bidirectional blocks into ``out [n]`` (ids from ``first``); returns the next free id."""
+    if doc.token_types is None:
+        if spec.blocks == "prefix":
+            raise ValueError(f"example {doc.index}: {spec.model_type} attends its prefix both ways, but the example "
+                             f"has no {spec.token_type_key} to say where the prefix ends; pass the processor's "
+                             f"{spec.token_type_key}")
+        return first
+    member = doc.token_types == 1 if spec.blocks == "ones" else doc.token_types == 0
+    if spec.blocks == "prefix" and member.any():
+        size = int(member.sum())
+        if not bool(member[:size].all()):
+            raise ValueError(f"example {doc.index}: {spec.model_type}'s {spec.token_type_key} mark a prefix (0) that "
+                             "is not one run at the start of the document; blockdiag_cp serves prefix-then-suffix")
+    starts = member & ~torch.cat([torch.zeros(1, dtype=torch.bool), member[:-1]])
+    ids = torch.cumsum(starts.to(torch.int64), 0) + (first - 1)
+    out.copy_(torch.where(member, ids, torch.zeros_like(ids)))
+    return first + int(starts.sum())

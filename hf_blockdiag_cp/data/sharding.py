@@ -114,7 +114,8 @@ def rank_batch(full: FullRows, *, cp_rank: int, cp_size: int, group: Any = None,
         positions = torch.cat([full.position_ids[None], media.positions])
     context = BlockDiagCPContext.build(full.doc_ids, cp_rank=cp_rank, cp_size=cp_size, group=group, config=config,
                                        input_ids=full.input_ids, placement=placement, sliding_windows=sliding_windows,
-                                       position_ids=positions, heads=heads, ulysses_groups=ulysses_groups)
+                                       position_ids=positions, heads=heads, ulysses_groups=ulysses_groups,
+                                       block_ids=None if media is None else media.block_ids)
     extra: dict[str, Any] = {}
     if media is not None:
         context, extra = _media_fields(context, full, media)

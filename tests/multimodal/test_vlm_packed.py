@@ -18,19 +18,26 @@ from hf_blockdiag_cp.conformance.multimodal import (
 )
 from tests.launch import run_ranks
 
-#: Served with images at CP = 1 and under CP (gemma3 / paligemma: bidirectional image blocks, their own tests).
-SERVED = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_5", "llava", "idefics3", "smolvlm", "mistral3", "internvl")
+#: Every covered architecture (gemma3 / paligemma: with their bidirectional image blocks).
+SERVED = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_5", "llava", "idefics3", "smolvlm", "mistral3", "internvl",
+          "gemma3", "paligemma")
 OURS = {"text_config": "blockdiag_cp", "vision_config": "sdpa", "": "blockdiag_cp"}
 SEQ_LEN = 512
 
 
-def _setup(model_type: str):
+#: Document sets for the CP test (each with at least two documents and one with two images).
+SPECS = (dict(num_docs=4, seed=7, images=(1, 2, 0, 1)), dict(num_docs=3, seed=7, images=(2, 1, 0), text_len=(10, 40)),
+         dict(num_docs=2, seed=3, images=(2, 0), text_len=(4, 10)), dict(num_docs=2, seed=5, images=(2, 1),
+                                                                         text_len=(2, 6)))
+
+
+def _setup(model_type: str, spec: dict | None = None):
     config = tiny_vlm_config(model_type)
     stock = build_vlm(config, "sdpa")
     make_stateful(stock)  # qwen3_5's gated-delta state must survive document pieces (tiny configs forget at once)
     ours = build_vlm(config, OURS)
     ours.load_state_dict(stock.state_dict())
-    docs = synthetic_documents(config, num_docs=4, seed=7, images=(1, 2, 0, 1))
+    docs = synthetic_documents(config, **(spec or SPECS[0]))
     return stock, ours, docs, documents_alone(stock, docs)
 
 
@@ -60,8 +67,10 @@ def _cp_worker(rank: int, world: int, types: tuple[str, ...]) -> dict[str, dict[
 
     results = {}
     for model_type in types:
-        stock, ours, docs, alone = _setup(model_type)
-        collator = bd.PackingCollator(SEQ_LEN, group=dist.group.WORLD, pad_token_id=0, model_config=ours.config)
+        spec, placement, length = _straddling_case(model_type, world)
+        stock, ours, docs, alone = _setup(model_type, spec)
+        collator = bd.PackingCollator(length, group=dist.group.WORLD, pad_token_id=0, model_config=ours.config,
+                                      placement=placement)
         batch = collator(docs)
         out = ours(**batch)
         (out.loss * batch["num_items_in_batch"]).backward()
@@ -77,8 +86,37 @@ def _cp_worker(rank: int, world: int, types: tuple[str, ...]) -> dict[str, dict[
         err = compare([out.logits[0].detach()[real]], loss, {n: p.grad for n, p in ours.named_parameters()},
                       alone._replace(logits=[ref[local[real]]]) if hasattr(alone, "_replace") else
                       type(alone)([ref[local[real]]], alone.loss, alone.grads))
-        results[model_type] = err
+        results[model_type] = {**err, "split": float(_splits_an_image(collator, docs, batch["cp_context"], world)),
+                               "balanced": float(placement == "balanced")}
     return results
+
+
+def _straddling_case(model_type: str, world: int) -> tuple[dict, str, int]:
+    """A document set, placement (balanced first) and row length at which an image is cut between two ranks: the case
+    the exchange must get right (host-only search, the same on every rank)."""
+    config = tiny_vlm_config(model_type)
+    for placement in ("balanced", "zigzag", "contiguous"):
+        for spec in SPECS:
+            docs = synthetic_documents(config, **spec)
+            total = sum(len(d["input_ids"]) for d in docs)
+            for length in range(-(-total // (2 * world)) * 2 * world, total + 200, 2 * world):
+                probe = bd.PackingCollator(length, cp_size=world, cp_rank=0, pad_token_id=0, model_config=config,
+                                           placement=placement)
+                if _splits_an_image(probe, docs, probe(docs)["cp_context"], world):
+                    return spec, placement, length
+    raise AssertionError(f"{model_type}: no row length splits an image: change the test documents")
+
+
+def _splits_an_image(collator, docs, ctx, world: int) -> bool:
+    """Whether some image (tile) of the row has placeholder tokens on two ranks."""
+    row = torch.cat([d.input_ids for d in collator.pack(docs)[0].documents])
+    owner = torch.empty(ctx.full_len, dtype=torch.int64)
+    for r in range(world):
+        owner[ctx.placement.positions(r)] = r
+    token = collator.media.token_ids["image"]
+    positions = torch.nonzero(row == token).flatten()
+    spans = torch.tensor(ctx.media.rows).cumsum(0).tolist()
+    return any(len(set(owner[positions[a:b]].tolist())) > 1 for a, b in zip([0, *spans[:-1]], spans))
 
 
 @pytest.mark.distributed
@@ -86,4 +124,7 @@ def _cp_worker(rank: int, world: int, types: tuple[str, ...]) -> dict[str, dict[
 def test_packed_rows_at_cp2():
     for rank, res in enumerate(run_ranks(_cp_worker, 2, SERVED, timeout=500)):
         for model_type, err in res.items():
+            split, balanced = err.pop("split"), err.pop("balanced")
             assert max(err.values()) < 1e-4, (rank, model_type, err)
+            assert split, f"{model_type}: no image straddles the two ranks"
+            assert balanced or model_type in ("gemma3", "paligemma"), f"{model_type}: not the balanced placement"
