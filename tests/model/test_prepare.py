@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 import transformers
-from transformers import GPT2Config, GPT2LMHeadModel, PreTrainedModel
+from transformers import GPT2Config, GPT2LMHeadModel
 
 import hf_blockdiag_cp as bd
 from hf_blockdiag_cp import integration as transformers_patches
