@@ -27,6 +27,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
+from transformers import PreTrainedModel
 
 from ..compat import config_attn_implementation, set_config_attn_implementation, stock_attn_implementation
 from ..config import ATTN_IMPLEMENTATION
@@ -83,8 +84,6 @@ def spread_attn_implementation(config: Any, value: Any) -> Any:
 def tower_attn_implementation(model: torch.nn.Module, config: Any) -> str:
     """transformers' default attention for the tower of ``model`` built from ``config`` (``"sdpa"`` where it supports
     it, else ``"eager"``); ``"eager"`` when no model in ``model`` is built from ``config`` (nothing to ask)."""
-    from transformers import PreTrainedModel
-
     tower = next((sub for sub in model.modules() if isinstance(sub, PreTrainedModel) and sub.config is config), None)
     return "eager" if tower is None else stock_attn_implementation(tower)
 
