@@ -12,6 +12,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageText
 import hf_blockdiag_cp  # noqa: F401  (registers blockdiag_cp)
 from hf_blockdiag_cp.model import prepare
 from hf_blockdiag_cp.model.subconfigs import spread_attn_implementation
+from tests.reference import documents_alone
 
 IMAGE = 100  # the image placeholder id of every tiny config (vocabulary 128)
 TEXT = dict(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
@@ -152,7 +153,7 @@ def test_packed_text_rows_of_a_vlm_equal_each_document_alone(model_type):
     calls = _attention_calls(ours)
     with torch.no_grad():
         packed = ours(input_ids=torch.cat(docs)[None], position_ids=positions, use_cache=False).logits[0]
-        alone = torch.cat([stock(input_ids=d[None], use_cache=False).logits[0] for d in docs])
+    alone = documents_alone(model_type, docs, stock, backward=False).logits
     assert _attention_calls(ours) > calls
     _assert_close(packed, alone)
 
