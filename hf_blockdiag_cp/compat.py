@@ -18,13 +18,14 @@ import torch
 import torch.distributed as dist
 from torch.distributed.distributed_c10d import _resolve_process_group, _set_pg_timeout
 
-__all__ = ["CPU_FLASH_ATTENTION", "CPU_FLASH_ATTENTION_BACKWARD", "MASK_CLOSURES", "SFT_TRAINER_PRIVATE_METHODS",
-           "TRAINER_PRIVATE_METHODS", "accelerate_dispatching_processes", "accelerate_prepared", "backend_options",
-           "backend_timeouts", "cache_eval_dataloader", "can_set_attn_implementation", "check_sft_trainer_internals",
-           "check_trainer_internals", "config_attn_implementation",
-           "encoder_output_is_sequence", "forget_accelerate_prepared", "forward_hooks",
-           "in_autograd_backward", "model_from_config", "resolve_process_group", "rope_index_function",
-           "set_group_timeout"]
+__all__ = ["CONFIG_ATTN_PROPERTY", "CPU_FLASH_ATTENTION", "CPU_FLASH_ATTENTION_BACKWARD", "MASK_CLOSURES",
+           "MULTIMODAL_ENCODER_KEYWORD", "SFT_TRAINER_PRIVATE_METHODS", "TRAINER_PRIVATE_METHODS",
+           "accelerate_dispatching_processes", "accelerate_prepared", "backend_options", "backend_timeouts",
+           "cache_eval_dataloader", "can_set_attn_implementation", "check_sft_trainer_internals",
+           "check_trainer_internals", "config_attn_implementation", "encoder_output_is_sequence",
+           "forget_accelerate_prepared", "forward_hooks", "in_autograd_backward", "model_from_config",
+           "resolve_process_group", "rope_index_function", "set_config_attn_implementation", "set_group_timeout",
+           "stock_attn_implementation"]
 
 # ---- transformers -----------------------------------------------------------------------------------------
 
@@ -114,6 +115,26 @@ def config_attn_implementation(config: Any) -> str | None:
     """The attention implementation a transformers config names (its private ``_attn_implementation``, which
     ``from_pretrained(attn_implementation=...)`` and ``set_attn_implementation`` write); ``None`` when absent."""
     return getattr(config, "_attn_implementation", None)
+
+
+def set_config_attn_implementation(config: Any, value: str | dict | None) -> None:
+    """Write the attention implementation of ``config`` through its private ``_attn_implementation`` setter, which
+    spreads it onto the sub-configs: a string (or ``None``) onto all of them, a dict ``{"": own, key: value}`` one value
+    per ``sub_configs`` key (a key left out keeps its value). ``from_pretrained(attn_implementation=...)`` and
+    ``from_config(..., attn_implementation=...)`` write the keyword through this setter too."""
+    config._attn_implementation = value
+
+
+#: The property of ``transformers.PreTrainedConfig`` whose setter spreads an implementation onto the sub-configs
+#: (wrapped by :mod:`hf_blockdiag_cp.integration`).
+CONFIG_ATTN_PROPERTY = "_attn_implementation"
+
+
+def stock_attn_implementation(model: Any) -> str:
+    """What transformers gives ``model`` when no implementation is named (``get_correct_attn_implementation(None)``,
+    also what a model built from a sub-config holding ``None`` resolves to): ``"sdpa"`` where it supports it, else
+    ``"eager"``."""
+    return model.get_correct_attn_implementation(None)
 
 
 def can_set_attn_implementation(model_class: type) -> bool | None:

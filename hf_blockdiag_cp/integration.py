@@ -16,16 +16,28 @@ dropped: attention keywords this function does not implement, mask patterns othe
 (other token mixers, absolute positions, attention that bypasses ``AttentionInterface``) live in
 :mod:`hf_blockdiag_cp.model`.
 
-Everything ``import hf_blockdiag_cp`` patches in transformers: three ``PreTrainedModel`` methods, wrapped.
+Everything ``import hf_blockdiag_cp`` patches in transformers (:data:`PATCHED_METHODS`): three ``PreTrainedModel``
+methods and one ``PreTrainedConfig`` property setter, wrapped.
 
 - ``post_init`` (the end of every model's ``__init__``: ``from_pretrained`` / ``from_config`` /
   ``Model(config)``): prepare a model built with ``attn_implementation="blockdiag_cp"``
-  (:func:`~.model.prepare.prepare_model`), so users who only pass the attention name get its refusals;
-- ``set_attn_implementation``: prepare a model switched to ``"blockdiag_cp"`` (its outermost models
-  using it);
+  (:func:`~.model.prepare.prepare_model`), so users who only pass the attention name get its refusals; a nested
+  sub-config of a vision / audio tower that no model resolved takes the tower's implementation
+  (:func:`~.model.subconfigs.fill_unresolved`);
+- ``set_attn_implementation``: the string ``"blockdiag_cp"`` on a composite (multimodal) model becomes the
+  per-sub-config dict with each tower's stock implementation (:func:`~.model.subconfigs.switch_attn_implementation`),
+  then the model switched to ``"blockdiag_cp"`` is prepared (its outermost models using it);
 - ``_check_and_adjust_attn_implementation`` (transformers' check of a requested implementation, at
   ``__init__`` and in ``set_attn_implementation``): refuse a model whose attention bypasses
-  ``AttentionInterface`` (:func:`~.model.detect.refuse_bypassing_model`) before it is switched.
+  ``AttentionInterface`` (:func:`~.model.detect.refuse_bypassing_model`) before it is switched;
+- ``PreTrainedConfig._attn_implementation``'s setter, where transformers spreads the ``attn_implementation`` of
+  ``from_pretrained`` / ``from_config`` / ``Config(attn_implementation=...)`` onto every sub-config: the string
+  ``"blockdiag_cp"`` on a composite config is turned into the equivalent dict first, with ``None`` (transformers'
+  default: ``"sdpa"`` where the tower supports it, else ``"eager"``) for the towers of other modalities
+  (:func:`~.model.subconfigs.spread_attn_implementation`). The text model keeps ``"blockdiag_cp"``, so
+  ``AutoModelForImageTextToText.from_pretrained(path, attn_implementation="blockdiag_cp")`` runs images exactly;
+  a dict the user gives (``{"text_config": "blockdiag_cp", "vision_config": "blockdiag_cp", ...}``) is applied as
+  given (a tower on ``"blockdiag_cp"`` is then refused at its forward).
 
 Models using other implementations are untouched. Each wrapper carries ``_blockdiag_cp_wrapped``; a
 transformers release that renames a method makes :func:`patch_transformers` raise ``ImportError``
@@ -35,13 +47,14 @@ naming it (tests/model/test_prepare.py checks each one is installed and called).
 from __future__ import annotations
 
 import functools
+import inspect
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
-from transformers import AttentionInterface, PreTrainedModel
+from transformers import AttentionInterface, PreTrainedConfig, PreTrainedModel
 from transformers.masking_utils import AttentionMaskInterface
 
 from .attention.core import attend_flat, autocast_like_sdpa, check_qkv, flat_rows, kernel_spec, resolve_backend
@@ -49,16 +62,18 @@ from .attention.cp import sequence_attention
 from .attention.keywords import check_keywords, chunked_context_plan, plan_from_kwargs, refuse_appended_keys
 from .attention.mask import BlockDiagMask, blockdiag_cp_mask
 from .attention.ulysses_path import head_parallel_attention
+from .compat import CONFIG_ATTN_PROPERTY
 from .config import ATTN_IMPLEMENTATION, BlockDiagCPConfig
 from .context import BlockDiagCPContext
 from .kernels import BackendUnavailable
 from .model.detect import refuse_bypassing_model, uses_blockdiag_cp
 from .model.prepare import check_context_reached, forward_context, mark_attention_call, prepare_model
+from .model.subconfigs import fill_unresolved, spread_attn_implementation, switch_attn_implementation
 from .runtime import DevicePlan, device_plan
 
 __all__ = ["ATTN_IMPLEMENTATION", "PATCHED_METHODS", "STRATEGIES", "WRAPPED_ATTR", "BlockDiagMask", "LayerCall",
-           "blockdiag_cp_attention", "blockdiag_cp_mask", "patch_transformers", "prepare_blockdiag_models",
-           "register"]
+           "blockdiag_cp_attention", "blockdiag_cp_mask", "patch_transformers", "patched_function",
+           "prepare_blockdiag_models", "register"]
 
 
 def _model_type(module: torch.nn.Module, mask: BlockDiagMask | None) -> str:
@@ -334,6 +349,7 @@ def _wrap_post_init(original: Callable) -> Callable:
     def post_init(self: PreTrainedModel, *args: Any, **kwargs: Any) -> Any:
         out = original(self, *args, **kwargs)
         if uses_blockdiag_cp(self):
+            fill_unresolved(self.config)
             prepare_model(self)
         return out
     return post_init
@@ -341,8 +357,8 @@ def _wrap_post_init(original: Callable) -> Callable:
 
 def _wrap_set_attn_implementation(original: Callable) -> Callable:
     @functools.wraps(original)
-    def set_attn_implementation(self: PreTrainedModel, *args: Any, **kwargs: Any) -> Any:
-        out = original(self, *args, **kwargs)
+    def set_attn_implementation(self: PreTrainedModel, attn_implementation: Any, *args: Any, **kwargs: Any) -> Any:
+        out = original(self, switch_attn_implementation(self, attn_implementation), *args, **kwargs)
         prepare_blockdiag_models(self)
         return out
     return set_attn_implementation
@@ -357,24 +373,45 @@ def _wrap_check_and_adjust(original: Callable) -> Callable:
     return check_and_adjust
 
 
-#: ``PreTrainedModel`` method name -> the function that wraps it (transformers 5.x).
+def _wrap_attn_implementation_setter(original: Callable) -> Callable:
+    @functools.wraps(original)
+    def _attn_implementation(self: PreTrainedConfig, value: Any) -> None:
+        original(self, spread_attn_implementation(self, value))
+    return _attn_implementation
+
+
+#: ``"Owner.attribute"`` of transformers (5.x) -> the function that wraps it; for a property, its setter is wrapped.
 PATCHED_METHODS: dict[str, Callable[[Callable], Callable]] = {
-    "post_init": _wrap_post_init,
-    "set_attn_implementation": _wrap_set_attn_implementation,
-    "_check_and_adjust_attn_implementation": _wrap_check_and_adjust,
+    "PreTrainedModel.post_init": _wrap_post_init,
+    "PreTrainedModel.set_attn_implementation": _wrap_set_attn_implementation,
+    "PreTrainedModel._check_and_adjust_attn_implementation": _wrap_check_and_adjust,
+    f"PreTrainedConfig.{CONFIG_ATTN_PROPERTY}": _wrap_attn_implementation_setter,
 }
+
+_OWNERS: dict[str, type] = {"PreTrainedModel": PreTrainedModel, "PreTrainedConfig": PreTrainedConfig}
+
+
+def patched_function(qualified: str) -> Callable | None:
+    """The function now installed for ``qualified`` (a key of :data:`PATCHED_METHODS`): the method, or the
+    property's setter; ``None`` when transformers has no such attribute."""
+    owner, _, name = qualified.partition(".")
+    attribute = inspect.getattr_static(_OWNERS[owner], name, None)
+    return attribute.fset if isinstance(attribute, property) else attribute
 
 
 def patch_transformers() -> None:
-    """Wrap the :data:`PATCHED_METHODS` of ``PreTrainedModel`` (idempotent)."""
-    for name, wrap in PATCHED_METHODS.items():
-        original = getattr(PreTrainedModel, name, None)
+    """Wrap the :data:`PATCHED_METHODS` of ``PreTrainedModel`` and ``PreTrainedConfig`` (idempotent)."""
+    for qualified, wrap in PATCHED_METHODS.items():
+        owner_name, _, name = qualified.partition(".")
+        owner = _OWNERS[owner_name]
+        original = patched_function(qualified)
         if original is None:
-            raise ImportError(f"transformers.PreTrainedModel has no {name} in this transformers version: "
+            raise ImportError(f"transformers.{qualified} does not exist in this transformers version: "
                               "hf_blockdiag_cp cannot install its model preparation; use a transformers version "
                               "within the bounds in hf-blockdiag-cp's pyproject.toml")
         if getattr(original, WRAPPED_ATTR, False):
             continue
         wrapper = wrap(original)
         setattr(wrapper, WRAPPED_ATTR, True)
-        setattr(PreTrainedModel, name, wrapper)
+        attribute = inspect.getattr_static(owner, name)
+        setattr(owner, name, attribute.setter(wrapper) if isinstance(attribute, property) else wrapper)

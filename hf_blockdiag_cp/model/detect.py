@@ -33,6 +33,7 @@ from ..config import ATTN_IMPLEMENTATION
 from ..errors import UnsupportedModel
 from ..recurrent.functions import POSITION_RESETS
 from ..recurrent.install import served_modules
+from .subconfigs import OTHER_MODALITY
 
 __all__ = ["UnsupportedModel", "has_absolute_positions", "loss_refusal", "model_type", "packing_refusal",
            "padding_refusal", "refuse_bypassing_model", "require_blockdiag_cp", "resets_at_position_zero",
@@ -56,8 +57,6 @@ _UNSERVED_MIXERS: tuple[tuple[re.Pattern, str], ...] = tuple((re.compile(p), d) 
     (r"Rwkv", "RWKV time mixing"),
 ))
 
-#: Module paths of other modalities' encoders (their convolutions run over audio/image features).
-_NON_TEXT_PATTERN = re.compile(r"(^|[._])(audio|vision|visual|image|speech|video)", re.IGNORECASE)
 
 
 def model_type(model: torch.nn.Module) -> str:
@@ -101,7 +100,7 @@ def packing_refusal(model: torch.nn.Module) -> str | None:
     for name, sub in model.named_modules():
         if isinstance(sub, PreTrainedModel):  # the model classes themselves are named after the architecture
             continue
-        if _NON_TEXT_PATTERN.search(name):  # encoders of other modalities do not see the packed text row
+        if OTHER_MODALITY.search(name):  # encoders of other modalities do not see the packed text row
             continue
         if any(s == name or s.startswith(name + ".") or name.startswith(s + ".") for s in served):
             continue

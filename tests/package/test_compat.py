@@ -271,3 +271,49 @@ def test_in_autograd_backward_is_true_only_inside_a_backward():
     assert not compat.in_autograd_backward()
     y.sum().backward()
     assert seen == [True]
+
+
+# ---- transformers: the config setter that spreads an attention implementation (model/subconfigs.py) ----------
+
+def test_config_attn_setter_spreads_strings_and_dicts_per_sub_config():
+    """A string reaches every sub-config; a dict names each one's (a key left out keeps its value); None resets."""
+    import transformers
+
+    prop = vars(transformers.PreTrainedConfig).get(compat.CONFIG_ATTN_PROPERTY)
+    assert isinstance(prop, property) and prop.fset is not None
+    config = transformers.AutoConfig.for_model("llava")
+    compat.set_config_attn_implementation(config, "eager")
+    assert {config._attn_implementation, config.text_config._attn_implementation,
+            config.vision_config._attn_implementation} == {"eager"}
+    compat.set_config_attn_implementation(config, {"": "sdpa", "vision_config": None})
+    assert (config._attn_implementation, config.text_config._attn_implementation,
+            config.vision_config._attn_implementation) == ("sdpa", "eager", None)
+
+
+def test_from_config_and_from_pretrained_write_the_keyword_through_the_config_setter(tmp_path, monkeypatch):
+    import transformers
+
+    from hf_blockdiag_cp import integration
+
+    seen = []
+    original = integration.spread_attn_implementation
+    monkeypatch.setattr(integration, "spread_attn_implementation",
+                        lambda config, value: seen.append(value) or original(config, value))
+    config = transformers.LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                      num_attention_heads=2, num_key_value_heads=1)
+    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager")
+    assert "eager" in seen
+    model.save_pretrained(tmp_path)
+    transformers.AutoModelForCausalLM.from_pretrained(tmp_path, attn_implementation="sdpa")
+    assert "sdpa" in seen
+
+
+def test_stock_attn_implementation_is_sdpa_else_eager():
+    import transformers
+
+    from tests.reference import tiny_model
+
+    assert compat.stock_attn_implementation(tiny_model("llama")) == "sdpa"
+    with torch.device("meta"):  # GOT-OCR2's SAM vision encoder declares no sdpa support
+        got = transformers.AutoModelForImageTextToText.from_config(transformers.AutoConfig.for_model("got_ocr2"))
+    assert compat.stock_attn_implementation(got.model.vision_tower) == "eager"
