@@ -13,6 +13,8 @@ pytestmark = [pytest.mark.distributed, pytest.mark.timeout(400)]
 
 #: (model type, placement, documents: per document (leading text, grids, text after each image)).
 QWEN_DOCS = [(5, [(1, 4, 4)], 7), (4, [], 0), (30, [(1, 8, 16), (1, 4, 4)], 6)]
+#: With videos (kind per document): a two-frame video cut between the ranks, an image, a short video.
+VIDEO_DOCS = [(5, [(1, 4, 4)], 7, "image"), (30, [(2, 8, 8)], 6, "video"), (4, [(2, 4, 4)], 3, "video")]
 LLAVA_DOCS = [(5, [1], 7), (4, [], 0), (30, [1, 1], 6)]
 
 
@@ -21,12 +23,16 @@ def _scenario(model_type: str, placement: str, rank: int, world: int) -> dict:
 
     import hf_blockdiag_cp as bd
     from hf_blockdiag_cp.model.media import media_stats
-    from tests.multimodal.vlm_setup import IMAGE_TOKEN, document, documents_alone, group_errors, models
+    from tests.multimodal.vlm_setup import IMAGE_TOKEN, VIDEO_TOKEN, document, documents_alone, group_errors, models
 
+    model_type, _, videos = model_type.partition("+")
     stock, ours = models(model_type)
     g = torch.Generator().manual_seed(1)
-    layout = LLAVA_DOCS if model_type == "llava" else QWEN_DOCS
-    docs = [document(stock.config, g, grids, (lead, after)) for lead, grids, after in layout]
+    if videos:
+        docs = [document(stock.config, g, grids, (lead, after), kind) for lead, grids, after, kind in VIDEO_DOCS]
+    else:
+        layout = LLAVA_DOCS if model_type == "llava" else QWEN_DOCS
+        docs = [document(stock.config, g, grids, (lead, after)) for lead, grids, after in layout]
     ref_logits, ref_grads = documents_alone(stock, docs)
     patch_rows = []
     tower = ours.model.vision_tower if model_type == "llava" else ours.model.visual
@@ -52,7 +58,8 @@ def _scenario(model_type: str, placement: str, rank: int, world: int) -> dict:
     for r in range(world):
         owner[ctx.placement.positions(r)] = r
     t = ctx.media
-    positions = torch.nonzero(row == IMAGE_TOKEN).flatten()
+    # The plan's item order: images (row order), then videos; each item's rows are its kind's next placeholders.
+    positions = torch.cat([torch.nonzero(row == IMAGE_TOKEN).flatten(), torch.nonzero(row == VIDEO_TOKEN).flatten()])
     item_of = torch.repeat_interleave(torch.arange(len(t.rows)), torch.tensor(t.rows))
     enc_of = torch.tensor(t.encoder)[item_of]
     width = ours.config.text_config.hidden_size * (1 + len(getattr(ours.config.vision_config,
@@ -82,12 +89,14 @@ def _check(results: list[list[dict]], scenarios: list[tuple[str, str]], total_pa
         assert any(res["split"] for res in per_rank), f"{label}: no image straddles two ranks"
 
 
-PATCHES = {"qwen2_5_vl": 16 + 128 + 16, "qwen3_vl": 16 + 128 + 16, "qwen3_5": 16 + 128 + 16, "llava": 3}
+PATCHES = {"qwen2_5_vl": 16 + 128 + 16, "qwen3_vl": 16 + 128 + 16, "qwen3_5": 16 + 128 + 16, "llava": 3,
+           "qwen2_5_vl+video": 16 + 128 + 32, "qwen3_vl+video": 16 + 128 + 32}
 
 
 def test_qwen_family_cp2() -> None:
     scenarios = [("qwen2_5_vl", "balanced"), ("qwen2_5_vl", "contiguous"), ("qwen2_5_vl", "zigzag"),
-                 ("qwen3_vl", "balanced"), ("qwen3_5", "balanced"), ("llava", "contiguous")]
+                 ("qwen3_vl", "balanced"), ("qwen3_5", "balanced"), ("llava", "contiguous"),
+                 ("qwen2_5_vl+video", "balanced"), ("qwen3_vl+video", "contiguous")]
     _check(run_ranks(_worker, 2, scenarios, timeout=360), scenarios, PATCHES)
 
 

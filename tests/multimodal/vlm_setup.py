@@ -73,7 +73,12 @@ def document(cfg: Any, g: torch.Generator, grids: list[tuple[int, int, int]], te
     merge, token = vc.spatial_merge_size, IMAGE_TOKEN if kind == "image" else VIDEO_TOKEN
     pixels = []
     for t, h, w in grids:
-        ids += [VISION_START] + [token] * (t * h * w // merge ** 2) + [VISION_END]
+        if kind == "video" and cfg.model_type.startswith("qwen3"):  # one run per frame, each after its timestamp
+            for _ in range(t):
+                ids += [int(torch.randint(0, 200, (), generator=g)), VISION_START]
+                ids += [token] * (h * w // merge ** 2) + [VISION_END]
+        else:
+            ids += [VISION_START] + [token] * (t * h * w // merge ** 2) + [VISION_END]
         ids += torch.randint(0, 200, (text[1],), generator=g).tolist()
         pixels.append(torch.randn(t * h * w, 3 * vc.temporal_patch_size * vc.patch_size ** 2, generator=g))
     out = {"input_ids": torch.tensor(ids)}
