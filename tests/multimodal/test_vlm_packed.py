@@ -128,3 +128,33 @@ def test_packed_rows_at_cp2():
             assert max(err.values()) < 1e-4, (rank, model_type, err)
             assert split, f"{model_type}: no image straddles the two ranks"
             assert balanced or model_type in ("gemma3", "paligemma"), f"{model_type}: not the balanced placement"
+
+
+def test_saved_vlm_loaded_with_the_plain_string_trains_with_images(tmp_path):
+    from transformers import AutoModelForImageTextToText
+
+    stock, _, docs, alone = _setup("qwen2_5_vl")
+    stock.save_pretrained(tmp_path)
+    model = AutoModelForImageTextToText.from_pretrained(tmp_path, attn_implementation="blockdiag_cp")
+    assert model.config.get_text_config()._attn_implementation == "blockdiag_cp"
+    assert model.config.vision_config._attn_implementation in ("sdpa", "eager")
+    collator = bd.PackingCollator(SEQ_LEN, pad_token_id=0, model_config=model.config)
+    batch = collator(docs)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+    losses = []
+    for step in range(4):
+        out = model(**batch)
+        (out.loss * batch["num_items_in_batch"]).backward()
+        if step == 0:  # the first step is the reference's, gradients of the vision tower included
+            grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+            err = compare([alone.logits[i] for i in range(len(docs))], out.loss.detach() * batch["num_items_in_batch"],
+                          grads, alone)
+            assert err["loss"] < 1e-5 and err["grads"] < 1e-4, err
+            assert any(n.startswith("model.visual") for n in grads)
+        for p in model.parameters():
+            if p.grad is not None:
+                p.grad /= batch["num_items_in_batch"]
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(float(out.loss))
+    assert losses[-1] < losses[0], losses
