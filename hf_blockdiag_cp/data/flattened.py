@@ -9,6 +9,7 @@ import torch
 
 from ..config import BlockDiagCPConfig
 from ..planning.documents import arange, doc_ids_from_flattening, run_boundaries, run_starts
+from ..planning.media import IMAGE, VIDEO, item_keys
 from .examples import token_tensor
 from .rows import FullRows, shift_row_labels
 from .sharding import rank_batch, resolve_cp, row_multiple
@@ -56,6 +57,11 @@ def from_flattened(batch: Mapping[str, Any], *, cp_size: int | None = None, cp_r
     """
     cp_rank, cp_size, process_group = resolve_cp(group, cp_rank, cp_size)
     multiple = row_multiple(cp_size, pad_to_multiple_of)
+    media = [k for k in (*item_keys(IMAGE), *item_keys(VIDEO)) if batch.get(k) is not None]
+    if media:  # dropping them would leave the placeholders with their text embeddings: silently another model
+        raise ValueError(f"batch: has {', '.join(media)}; from_flattened carries text only (DataCollatorWithFlattening "
+                         "flattens no images): pack vision-language examples with "
+                         "PackingCollator(..., model_config=model.config)")
     input_ids = _row(batch, "input_ids")
     if input_ids is None:
         raise ValueError("batch: missing field 'input_ids'")

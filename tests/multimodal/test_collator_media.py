@@ -107,3 +107,10 @@ def test_flat_positions_with_grids_are_refused(qwen):
     batch = {**batch, "position_ids": batch["position_ids"][0]}
     with pytest.raises(UnsupportedModel, match="1-D position_ids"):
         ours(**batch)
+
+
+def test_from_flattened_refuses_images(qwen):
+    _, _, docs = qwen
+    flat = {"input_ids": torch.cat([d["input_ids"] for d in docs])[None], "pixel_values": docs[0]["pixel_values"]}
+    with pytest.raises(ValueError, match="from_flattened carries text only"):
+        bd.from_flattened(flat)

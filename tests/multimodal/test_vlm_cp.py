@@ -25,8 +25,11 @@ def _scenario(model_type: str, placement: str, rank: int, world: int) -> dict:
     from hf_blockdiag_cp.model.media import media_stats
     from tests.multimodal.vlm_setup import IMAGE_TOKEN, VIDEO_TOKEN, document, documents_alone, group_errors, models
 
-    model_type, _, videos = model_type.partition("+")
+    model_type, _, variant = model_type.partition("+")
+    videos = variant == "video"
     stock, ours = models(model_type)
+    if variant == "ckpt":  # activation checkpointing of every layer, the vision tower's too
+        ours.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     g = torch.Generator().manual_seed(1)
     if videos:
         docs = [document(stock.config, g, grids, (lead, after), kind) for lead, grids, after, kind in VIDEO_DOCS]
@@ -90,13 +93,13 @@ def _check(results: list[list[dict]], scenarios: list[tuple[str, str]], total_pa
 
 
 PATCHES = {"qwen2_5_vl": 16 + 128 + 16, "qwen3_vl": 16 + 128 + 16, "qwen3_5": 16 + 128 + 16, "llava": 3,
-           "qwen2_5_vl+video": 16 + 128 + 32, "qwen3_vl+video": 16 + 128 + 32}
+           "qwen2_5_vl+video": 16 + 128 + 32, "qwen3_vl+video": 16 + 128 + 32, "qwen3_vl+ckpt": 16 + 128 + 16}
 
 
 def test_qwen_family_cp2() -> None:
     scenarios = [("qwen2_5_vl", "balanced"), ("qwen2_5_vl", "contiguous"), ("qwen2_5_vl", "zigzag"),
                  ("qwen3_vl", "balanced"), ("qwen3_5", "balanced"), ("llava", "contiguous"),
-                 ("qwen2_5_vl+video", "balanced"), ("qwen3_vl+video", "contiguous")]
+                 ("qwen2_5_vl+video", "balanced"), ("qwen3_vl+video", "contiguous"), ("qwen3_vl+ckpt", "balanced")]
     _check(run_ranks(_worker, 2, scenarios, timeout=360), scenarios, PATCHES)
 
 
