@@ -117,10 +117,10 @@ def _image(config: Any, grid: tuple[int, int, int], g: torch.Generator) -> tuple
 
 
 def make_documents(config: Any, texts: list[str], *, seq_len: int, image_share: float, text_only_share: float,
-                   seed: int) -> list[dict[str, Any]]:
+                   seed: int, max_images: int = MAX_IMAGES) -> list[dict[str, Any]]:
     """Image-text documents as a processor returns them for one document each (see the module docstring).
 
-    A share ``text_only_share`` of the documents has no image; the others get images (up to :data:`MAX_IMAGES`,
+    A share ``text_only_share`` of the documents has no image; the others get images (up to ``max_images`` each,
     grids from :data:`GRIDS`) until the image placeholders of the documents made so far are about ``image_share``
     of their tokens. Documents never exceed ``seq_len`` (a document with images cannot be split over rows).
     """
@@ -136,7 +136,7 @@ def make_documents(config: Any, texts: list[str], *, seq_len: int, image_share: 
             # image tokens that bring the running share to image_share (2 more text tokens per image: its markers)
             budget = (image_share * (other_tokens + len(text_ids)) - (1 - image_share) * image_tokens) / (
                 1 - image_share)
-            while len(grids) < MAX_IMAGES and budget >= min(tokens_of.values()):
+            while len(grids) < max_images and budget >= min(tokens_of.values()):
                 fitting = sorted((gr for gr in GRIDS if tokens_of[gr] <= budget), key=tokens_of.get)
                 grid = rng.choice(fitting[-2:])  # one of the two largest that fit
                 grids.append(grid)
