@@ -34,3 +34,25 @@ def test_vlm_example_at_cp2_loss_falls_and_matches_each_document_alone(tmp_path)
     assert min(result["media_bytes_per_step_per_rank"]) > 0, result
     assert re.search(r"parity: loss with CP \(dp 1 x cp 2\) [\d.]+ each document alone \(stock sdpa, 1 process\) "
                      r"[\d.]+ \|dloss\| ", proc.output), proc.output[-4000:]
+
+
+def test_vlm_example_on_one_process_matches_each_document_alone(tmp_path):
+    """CP = 1: the packed rows (all images encoded by the model itself) against every document alone."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    summary = tmp_path / "summary.json"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(key, None)
+    proc = subprocess.run([sys.executable, str(root / "examples" / "train_vlm_packed_cp.py"), "--check-parity",
+                           "--no-progress", "--steps", "3", "--summary-json", str(summary)],
+                          cwd=root, env=env, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-8000:]
+    result = json.loads(summary.read_text())
+    assert result["world"] == 1 and result["cp_size"] == 1
+    parity = result["parity"]
+    assert parity["abs_loss_diff"] <= 1e-5 and max(parity["relative_grad_diff"].values()) <= 1e-5, parity
