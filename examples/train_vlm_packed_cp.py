@@ -341,7 +341,7 @@ def main(argv: list[str] | None = None) -> dict:
               "rank: {}".format(", ".join(f"{b / 2**10:.1f}" for b in summary["media_bytes_per_step_per_rank"]),
                                 ", ".join(map(str, summary["images_encoded_last_step_per_rank"]))))
         if parity is not None:
-            print("parity: relative gradient difference per part: " + ", ".join(
+            print("gradient vs each document alone, relative difference per part: " + ", ".join(
                 f"{k} {v:.1e}" for k, v in parity["relative_grad_diff"].items()))
         report(summary, args.summary_json)
     accelerator.wait_for_everyone()

@@ -32,6 +32,7 @@ def test_vlm_example_at_cp2_loss_falls_and_matches_each_document_alone(tmp_path)
     # Images were encoded on both ranks and feature rows crossed between them.
     assert min(result["images_encoded_last_step_per_rank"]) >= 1, result
     assert min(result["media_bytes_per_step_per_rank"]) > 0, result
+    assert proc.output.count("parity:") == 1, proc.output[-4000:]
     assert re.search(r"parity: loss with CP \(dp 1 x cp 2\) [\d.]+ each document alone \(stock sdpa, 1 process\) "
                      r"[\d.]+ \|dloss\| ", proc.output), proc.output[-4000:]
 

@@ -62,8 +62,8 @@ def _scenario(model_type: str, placement: str, rank: int, world: int) -> dict:
     media = media_stats(ctx)
     split = [len(set(owner[positions[item_of == i]].tolist())) > 1 for i in range(len(t.rows))]
     return {"logits": logits_err, "grads": group_errors(ours, ref_grads), "patch_rows": sum(patch_rows),
-            "bytes": media.per_call, "formula": [("forward", sent, recv), ("backward", recv, sent)], "split": any(split),
-            "loss": float(out.loss)}
+            "bytes": media.per_call, "formula": [("forward", sent, recv), ("backward", recv, sent)],
+            "split": any(split), "loss": float(out.loss)}
 
 
 def _worker(rank: int, world: int, scenarios: list[tuple[str, str]]) -> list[dict]:
