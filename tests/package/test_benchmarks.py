@@ -118,3 +118,28 @@ def test_planning_bench_measures_a_small_row():
     line = bench.table([row]).splitlines()[-1]
     assert line.startswith("| 4,096 | 4 | balanced | 64 | 1 |")
     assert bench.acceptance([row]) == []  # its checks are for S = 1M and 4M only
+
+
+def test_vlm_bench_rows_fill_a_row_with_about_30_percent_image_tokens():
+    """bench_vlm.py's rows (no gloo run): one row of documents in the processor's format, >= 90 % full, with about 30 %
+    image placeholders, some documents without images."""
+    bench = _bench("bench_vlm")
+    for model_type in bench.MODELS:
+        config = bench.tiny_config(model_type)
+        docs = bench.row_documents(config, 2048, seed=0)
+        tokens = sum(len(d["input_ids"]) for d in docs)
+        images = sum(int((d["input_ids"] == config.image_token_id).sum()) for d in docs)
+        assert 0.9 * 2048 <= tokens <= 2048 and 0.2 <= images / tokens <= 0.4, (model_type, tokens, images)
+        assert any("pixel_values" not in d for d in docs) and any("pixel_values" in d for d in docs)
+
+
+def test_vlm_bench_plot(tmp_path):
+    pytest.importorskip("matplotlib")
+    import matplotlib
+
+    matplotlib.use("Agg")
+    bench = _bench("bench_vlm")
+    results = {s: {"cpu": (0.1 * s / 1024, 0.06 * s / 1024), "wall": (0.1 * s / 1024, 0.07 * s / 1024),
+                   "media_kib": 10.0, "kv_kib": 5.0} for s in (1024, 2048)}
+    bench.plot(results, str(tmp_path / "vlm.png"))
+    assert (tmp_path / "vlm.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
