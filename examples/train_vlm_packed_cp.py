@@ -53,9 +53,9 @@ from hf_blockdiag_cp.model.media import media_stats  # noqa: E402
 logger = logging.getLogger("train_vlm_packed_cp")
 
 DEFAULT_MODEL = str(ROOT / "configs" / "model" / "tiny-qwen2_5-vl.json")
-#: The attention of each sub-model: the package's for the language model, stock sdpa for the vision tower (its
-#: attention is bidirectional within an image and never sees a packed row). The one place this is set.
-ATTN_IMPLEMENTATION: Any = {"text_config": "blockdiag_cp", "vision_config": "sdpa", "": "blockdiag_cp"}
+#: The package's attention: as a plain string it applies to the language model, while the vision tower keeps its
+#: stock implementation (sdpa: its attention is bidirectional within an image and never sees a packed row).
+ATTN_IMPLEMENTATION: Any = "blockdiag_cp"
 #: Image grids (t, h, w) in patches; with spatial merge 2 they fill 4, 16, 24 and 64 placeholder tokens.
 GRIDS = ((1, 4, 4), (1, 8, 8), (1, 8, 12), (1, 16, 16))
 #: At most this many images per document.

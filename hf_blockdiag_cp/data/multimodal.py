@@ -159,8 +159,8 @@ def read_media(example: Mapping[str, Any], input_ids: torch.Tensor, spec: MediaS
     if spec is None:
         if kinds_given:
             raise ValueError(f"example {index}: has {_PIXEL_KEY[kinds_given[0]]} but the collator knows no vision "
-                             "model: pass model_config=model.config to PackingCollator so that it knows the "
-                             "placeholder tokens and the position rule")
+                             "model: pass model_config=model.config to PackingCollator (and to PackedDataset, "
+                             "when rows come from one) so that it knows the placeholder tokens and the position rule")
         return (), None, None
     items: list[MediaItem] = []
     for kind in (IMAGE, VIDEO):
