@@ -106,3 +106,51 @@ def test_qwen_family_cp2() -> None:
 def test_cp4() -> None:
     scenarios = [("qwen2_5_vl", "balanced"), ("qwen3_vl", "zigzag"), ("llava", "balanced")]
     _check(run_ranks(_worker, 4, scenarios, timeout=360), scenarios, PATCHES)
+
+
+FAULT_TIMEOUT_S = 5
+
+
+def _fault_worker(rank: int, world: int) -> dict:
+    """Rank 1's vision encoder raises (an OOM-like error) while rank 0 waits in the feature all-to-all: rank 0 must
+    get a CollectiveError naming the exchange within the collective timeout, not hang."""
+    import time
+
+    import torch.distributed as dist
+
+    import hf_blockdiag_cp as bd
+    from hf_blockdiag_cp.errors import CollectiveError
+    from tests.multimodal.vlm_setup import document, models
+
+    _, ours = models("qwen2_5_vl")
+    g = torch.Generator().manual_seed(1)
+    docs = [document(ours.config, g, grids, (lead, after)) for lead, grids, after in QWEN_DOCS]
+    group = dist.new_group(list(range(world)))  # its own group: the failure leaves it unusable
+    collator = bd.PackingCollator(128, group=group, pad_token_id=0, model_config=ours.config,
+                                  config=bd.BlockDiagCPConfig(collective_timeout_s=FAULT_TIMEOUT_S))
+    batch = collator(docs)
+    assert batch["cp_context"].media.encode, "every rank must encode an image for this fault"
+    if rank == 1:
+        def fail(*args, **kwargs):
+            raise RuntimeError("injected: out of memory in the vision tower")
+        ours.model.get_image_features = fail
+        ours.get_image_features = fail
+    start = time.monotonic()
+    try:
+        ours(**batch)
+    except CollectiveError as err:
+        return {"error": "CollectiveError", "message": str(err), "seconds": time.monotonic() - start}
+    except RuntimeError as err:
+        return {"error": "RuntimeError", "message": str(err), "seconds": time.monotonic() - start}
+    return {"error": None}
+
+
+@pytest.mark.timeout(120)
+def test_an_encoder_failure_on_one_rank_fails_the_exchange_in_bounded_time():
+    outcome = run_ranks(_fault_worker, 2, timeout=90, expect_failure=True)
+    (status0, rank0), (status1, rank1) = outcome
+    assert status0 == "ok" and status1 == "ok", outcome
+    assert rank1["error"] == "RuntimeError" and "injected" in rank1["message"], rank1
+    assert rank0["error"] == "CollectiveError", rank0
+    assert "image/video feature all-to-all" in rank0["message"] and "CP rank 0" in rank0["message"], rank0
+    assert rank0["seconds"] < FAULT_TIMEOUT_S + 10, rank0

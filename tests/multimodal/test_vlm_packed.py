@@ -28,7 +28,9 @@ SEQ_LEN = 512
 #: Document sets for the CP test (each with at least two documents and one with two images).
 SPECS = (dict(num_docs=4, seed=7, images=(1, 2, 0, 1)), dict(num_docs=3, seed=7, images=(2, 1, 0), text_len=(10, 40)),
          dict(num_docs=2, seed=3, images=(2, 0), text_len=(4, 10)), dict(num_docs=2, seed=5, images=(2, 1),
-                                                                         text_len=(2, 6)))
+                                                                         text_len=(2, 6)),
+         dict(num_docs=2, seed=0, images=(2, 1), text_len=(4, 10)), dict(num_docs=2, seed=0, images=(2, 1),
+                                                                         text_len=(10, 40)))
 
 
 def _setup(model_type: str, spec: dict | None = None):
@@ -95,7 +97,7 @@ def _straddling_case(model_type: str, world: int) -> tuple[dict, str, int]:
     """A document set, placement (balanced first) and row length at which an image is cut between two ranks: the case
     the exchange must get right (host-only search, the same on every rank)."""
     config = tiny_vlm_config(model_type)
-    for placement in ("balanced", "zigzag", "contiguous"):
+    for placement in ("balanced", "contiguous"):
         for spec in SPECS:
             docs = synthetic_documents(config, **spec)
             total = sum(len(d["input_ids"]) for d in docs)
@@ -127,9 +129,10 @@ def test_packed_rows_at_cp2():
             split, balanced = err.pop("split"), err.pop("balanced")
             assert max(err.values()) < 1e-4, (rank, model_type, err)
             assert split, f"{model_type}: no image straddles the two ranks"
-            assert balanced or model_type in ("gemma3", "paligemma"), f"{model_type}: not the balanced placement"
+            assert balanced, f"{model_type}: no balanced row cuts an image (another placement was used)"
 
 
+@pytest.mark.slow
 def test_saved_vlm_loaded_with_the_plain_string_trains_with_images(tmp_path):
     from transformers import AutoModelForImageTextToText
 
