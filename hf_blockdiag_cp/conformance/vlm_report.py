@@ -39,9 +39,13 @@ def _worst(values: Sequence[float | None]) -> str:
 
 
 def _detail(row: Sequence[VlmVerdict]) -> str:
-    odd = [f"{v.case}: {v.reason}" for v in row if v.status not in (EXACT, NOT_CHECKED)]
+    """The reasons of the cases not exact (cases with the same reason named together), else the CP rows' layout."""
+    odd: dict[str, list[str]] = {}
+    for v in row:
+        if v.status not in (EXACT, NOT_CHECKED):
+            odd.setdefault(v.reason, []).append(v.case)
     if odd:
-        return "; ".join(odd)
+        return "; ".join(f"{' and '.join(cases)}: {reason}" for reason, cases in odd.items())
     if all(v.status == NOT_CHECKED for v in row):
         return row[0].reason
     return "; ".join(f"{v.case}: {v.layout}" for v in row if v.cp_size > 1)

@@ -176,8 +176,15 @@ def _check(model_type: str, verdicts: list[VlmVerdict], cp_size: int, seed: int)
                 _judge(v, payloads, len(docs), alone)
             except Exception as err:
                 v.status = REFUSED if is_refusal(err) else FAIL
-                v.reason = describe_error(err)
+                v.reason = _reason(err)
             v.seconds = time.monotonic() - started
+
+
+def _reason(err: BaseException) -> str:
+    """``describe_error`` of ``err``, once: an error re-raised from a rank already starts with its type name."""
+    text = describe_error(err)
+    head = f"{type(err).__name__}: "
+    return text[len(head):] if text.startswith(head * 2) else text
 
 
 def _row_layout(config: Any, specs: Sequence[dict[str, Any]], world: int, images: bool
@@ -310,6 +317,7 @@ def _run(types: Sequence[str], cp_size: int, timeout: float, python: str) -> lis
     from .sweep import _limit_memory
 
     cmd = [python, "-m", "hf_blockdiag_cp.check", *types, "--vlm-only", "--cp-size", str(cp_size), "--json"]
+    start = time.monotonic()
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout * len(types),
                               preexec_fn=_limit_memory)
@@ -320,6 +328,8 @@ def _run(types: Sequence[str], cp_size: int, timeout: float, python: str) -> lis
         stdout = out.decode(errors="replace") if isinstance(out, bytes) else out
         failure = f"timed out after {timeout * len(types):.0f} s"
     got = [VlmVerdict(**json.loads(line)) for line in stdout.splitlines() if line.startswith("{")]
+    for v in got:  # wall time, the process's start-up shared out
+        v.seconds = (time.monotonic() - start) / len(got)
     done = {v.model for v in got if sum(u.model == v.model for u in got) == len(vlm_cases(cp_size))}
     got = [v for v in got if v.model in done]
     for model in (m for m in types if m not in done):
@@ -346,7 +356,10 @@ def vlm_sweep(types: Sequence[str], *, cp_size: int = 2, timeout: float = 300.0,
     fresh += [v for m in types if m not in VLM_TYPES and m not in done for v in not_checked(m, cp_size)]
     for v in fresh:
         done.setdefault(v.model, []).append(v)
-        print(v.line(), flush=True)
+        if v.status != NOT_CHECKED:
+            print(v.line(), flush=True)
+        elif (v.images, v.cp_size) == (False, 1):
+            print(f"{v.model}: {NOT_CHECKED} ({v.reason})", flush=True)
     if jsonl is not None and fresh:
         with jsonl.open("a") as f:
             f.writelines(json.dumps(asdict(v)) + "\n" for v in fresh)
