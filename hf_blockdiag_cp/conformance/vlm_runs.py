@@ -24,6 +24,7 @@ from typing import Any
 
 import numpy as np
 import torch
+import torch.distributed as dist
 import transformers
 from transformers.models.auto.modeling_auto import MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES
 
@@ -41,6 +42,7 @@ from .multimodal import (
     tiny_vlm_config,
 )
 from .result import EXACT, FAIL, GRAD_RTOL, LOGITS_ATOL, NOT_APPLICABLE, REFUSED, describe_error, is_refusal, shorten
+from .sweep import _limit_memory
 
 __all__ = ["IMAGE_SPECS", "LOSS_RTOL", "NOT_CHECKED", "NO_FIXTURE", "PLACEMENTS", "TEXT_SPEC", "VlmVerdict",
            "check_vlm", "not_checked", "read_vlm_jsonl", "vlm_cases", "vlm_sweep", "vlm_types"]
@@ -251,8 +253,6 @@ def _vlm_rank(rank: int, world: int, model_type: str, seed: int, weights: dict[s
               spec: dict[str, Any], seq_len: int, placement: str) -> dict[str, Any]:
     """One CP rank (:func:`~.launch.spawn_ranks`): the parent's weights in a model built with the plain string
     ``"blockdiag_cp"``, this rank's shard of the packed row."""
-    import torch.distributed as dist
-
     config = tiny_vlm_config(model_type, seed=seed)
     model = build_vlm(config, "blockdiag_cp")
     model.load_state_dict({name: torch.from_numpy(w) for name, w in weights.items()})
@@ -314,8 +314,6 @@ def read_vlm_jsonl(path: Path) -> list[VlmVerdict]:
 def _run(types: Sequence[str], cp_size: int, timeout: float, python: str) -> list[VlmVerdict]:
     """``python -m hf_blockdiag_cp.check TYPES --vlm-only --json`` in one subprocess; types it did not report (it
     crashed or timed out) are checked again one per subprocess, and one still unreported is a FAIL."""
-    from .sweep import _limit_memory
-
     cmd = [python, "-m", "hf_blockdiag_cp.check", *types, "--vlm-only", "--cp-size", str(cp_size), "--json"]
     start = time.monotonic()
     try:
