@@ -16,10 +16,16 @@ It prints ``exact``, ``refused (why)`` (the package raised ``NotImplementedError
 fails). ``--all`` sweeps every causal LM of the installed transformers, one subprocess per architecture, and
 writes docs/models.md (``--markdown``) and the README's summary (``--readme``) from the same results.
 
+Image-text-to-text types (``python -m hf_blockdiag_cp.check qwen2_5_vl``; ``--vlm-only`` for gemma3 / qwen3_5, which
+are causal LMs too) get four verdicts: text-only packed rows and rows with images, at CP = 1 and on ``--cp-size`` ranks
+(default 2), against each document alone (logits, loss, every gradient incl. the vision tower's); types without a
+synthetic-document fixture are "not checked". ``--all`` writes them as docs/models.md's own section.
+
 Modules, one job each: :mod:`.configs` (tiny configs), :mod:`.runs` (models, documents, the reference and the
 packed runs), :mod:`.launch` (the CP run on gloo ranks), :mod:`.compare` (one architecture's verdict),
 :mod:`.result` (the verdict record), :mod:`.sweep` (subprocess sweep), :mod:`.report` (Markdown, README),
-:mod:`.cli` (the command line). This subpackage is tooling: the runtime never imports it.
+:mod:`.multimodal` (VLM fixtures and reference), :mod:`.vlm_runs` (VLM verdicts and their sweep), :mod:`.vlm_report`
+(their docs section), :mod:`.cli` (the command line). This subpackage is tooling: the runtime never imports it.
 """
 
 from __future__ import annotations
@@ -50,6 +56,8 @@ from .result import (
 )
 from .runs import LENGTHS, VARIANTS, build_model, make_documents, packed_inputs, packed_run, reference_run
 from .sweep import cp2_sample, read_jsonl, run_batch, run_isolated, sweep
+from .vlm_report import read_vlm_table, vlm_section
+from .vlm_runs import VlmVerdict, check_vlm, vlm_sweep, vlm_types
 
 __all__ = [
     "CHUNK_SIZE",
@@ -66,10 +74,12 @@ __all__ = [
     "VARIANTS",
     "VOCAB",
     "CheckResult",
+    "VlmVerdict",
     "build_model",
     "causal_lm_types",
     "check_generate",
     "check_model",
+    "check_vlm",
     "cp2_sample",
     "describe_error",
     "is_refusal",
@@ -80,6 +90,7 @@ __all__ = [
     "packed_run",
     "read_jsonl",
     "read_models_table",
+    "read_vlm_table",
     "readme_summary",
     "reference_run",
     "refusal_cause",
@@ -92,4 +103,7 @@ __all__ = [
     "sweep",
     "tiny_config",
     "usage_error",
+    "vlm_section",
+    "vlm_sweep",
+    "vlm_types",
 ]

@@ -68,7 +68,9 @@ def run_batch(models: Sequence[str], cp_size: int, timeout: float, python: str =
 
 
 def _read(path: Path) -> list[CheckResult]:
-    return [CheckResult(**json.loads(line)) for line in path.read_text().splitlines() if line.strip()]
+    """The causal-LM results of a sweep's JSON lines (image-text-to-text verdicts: :func:`.vlm_runs.read_vlm_jsonl`)."""
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return [CheckResult(**row) for row in rows if "images" not in row]
 
 
 def read_jsonl(path: Path) -> tuple[list[CheckResult], list[CheckResult]]:
