@@ -66,7 +66,8 @@ class BlockDiagCPContext:
             after the head all-to-all, and the ``c``-rank exchange between groups (run as rank ``cp_rank // u``).
         head_group / seq_group: the process groups of the ``u`` consecutive CP ranks of this rank and of
             the ``c`` ranks of equal ``cp_rank % u`` (``None`` unless ``u > 1``).
-        blocks: the step's bidirectional blocks (:class:`~hf_blockdiag_cp.planning.blocks.BlockSpans`, from
+        blocks: the step's bidirectional blocks (:class:`~hf_blockdiag_cp.planning.blocks.BlockSpans`; empty when
+            ``block_ids`` were given and mark none: a text-only row of a model with image blocks is plain causal; from
             ``block_ids``), or ``None``: the plans then hold non-causal segments for them, and the exchange covers
             the later keys of a block held by another rank.
         shard_checksum: this rank's ``(input_ids, position_ids)`` checksums
@@ -169,12 +170,13 @@ class BlockDiagCPContext:
         doc_ids32 = ids.to(torch.int32).contiguous()
         tokens = _full_rows(input_ids, ids.shape)
         blocks = None
+        found = None  # what the context records: the blocks given, an empty set when block_ids hold none
         if block_ids is not None:
-            blocks = block_spans(block_ids, ids)
-            blocks = blocks if blocks.count else None  # no block: plain causal, as without block_ids
+            found = block_spans(block_ids, ids)
+            blocks = found if found.count else None  # no block: planned as plain causal, as without block_ids
         common = dict(doc_ids=doc_ids32, cp_rank=cp_rank, cp_size=cp_size, group=group,
                       local_len=local_len, data_fingerprint=data_fingerprint(doc_ids32, tokens), config=config,
-                      blocks=blocks)
+                      blocks=found)
         if cp_size == 1:
             plan = build_varlen_plan(ids, local_len=local_len, validate=config.validate, blocks=blocks)
             # A copy: the context outlives the rows it was built from (a collator reuses their buffers).

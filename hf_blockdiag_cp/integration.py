@@ -144,8 +144,10 @@ def _check_blocks(module: torch.nn.Module, mask: BlockDiagMask, ctx: Any, model_
     way would compute another pattern, so it is refused (host attribute reads only)."""
     blocks = getattr(ctx, "blocks", None) if isinstance(ctx, BlockDiagCPContext) else None
     spec = mask.spec
+    if spec.blocks is not None and blocks is not None and not blocks.count:
+        return  # the collator read the rows' token types and found no block (text only): the mask is causal
     if spec.blocks is None:
-        if blocks is not None:
+        if blocks is not None and blocks.count:
             raise NotImplementedError(
                 f"{model_type}: the cp_context carries bidirectional blocks (block_ids) but the model's mask for "
                 f"{type(module).__name__} has none (e.g. no token_type_ids were given to the model): pass the "

@@ -40,7 +40,7 @@ def sequence_attention(ctx: BlockDiagCPContext, query: torch.Tensor, key: torch.
         plan = device_plan(ctx, query.device, window)
     # Every rank asks alike (the blocks are in the plan fingerprint), whether or not its own rows hold a block.
     spec = kernel_spec(query, key, value, dropout_p=dropout_p, window=window, softcap=softcap, sinks=sinks,
-                       noncausal=getattr(ctx, "blocks", None) is not None)
+                       noncausal=bool(getattr(getattr(ctx, "blocks", None), "count", 0)))
     backend = step_backend(ctx, spec, query.device)
     k_flat, v_flat = exchange_fused_kv(flat_rows(key), flat_rows(value), kv_exchange(ctx, query.device,
                                                                                       exchange_window))

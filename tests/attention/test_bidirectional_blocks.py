@@ -104,4 +104,6 @@ def test_block_ids_are_validated_on_the_host():
         bd.BlockDiagCPContext.build(doc, block_ids=torch.tensor([0, -1, 0, 0, 0, 0]))
     with pytest.raises(ValueError, match="integer"):
         bd.BlockDiagCPContext.build(doc, block_ids=torch.zeros(6))
-    assert bd.BlockDiagCPContext.build(doc, block_ids=torch.zeros(6, dtype=torch.long)).blocks is None
+    # All zero: no block (plain causal plans), recorded as an empty set (the collator read the rows' token types).
+    empty = bd.BlockDiagCPContext.build(doc, block_ids=torch.zeros(6, dtype=torch.long))
+    assert empty.blocks is not None and empty.blocks.count == 0 and not empty.plan.has_blocks
