@@ -4,6 +4,8 @@ every parameter, the vision tower's included (:mod:`hf_blockdiag_cp.conformance.
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -86,8 +88,7 @@ def _cp_worker(rank: int, world: int, types: tuple[str, ...]) -> dict[str, dict[
         local = batch["cp_context"].local_index
         real = local < ref.shape[0]
         err = compare([out.logits[0].detach()[real]], loss, {n: p.grad for n, p in ours.named_parameters()},
-                      alone._replace(logits=[ref[local[real]]]) if hasattr(alone, "_replace") else
-                      type(alone)([ref[local[real]]], alone.loss, alone.grads))
+                      dataclasses.replace(alone, logits=[ref[local[real]]]))
         results[model_type] = {**err, "split": float(_splits_an_image(collator, docs, batch["cp_context"], world)),
                                "balanced": float(placement == "balanced")}
     return results
@@ -161,3 +162,35 @@ def test_saved_vlm_loaded_with_the_plain_string_trains_with_images(tmp_path):
         optimizer.zero_grad()
         losses.append(float(out.loss))
     assert losses[-1] < losses[0], losses
+
+
+def _ulysses_worker(rank: int, world: int, model_type: str) -> dict[str, float]:
+    """The head-parallel layout (ulysses_size = world) on a packed image row: images travel as under sequence CP."""
+    import torch.distributed as dist
+
+    stock, ours, docs, alone = _setup(model_type, SPECS[0])
+    mesh = bd.init_device_mesh(cp_size=world)
+    collator = bd.PackingCollator(172, group=mesh["cp"], pad_token_id=0, model_config=ours.config,
+                                  ulysses_size=world, ulysses_groups=bd.ulysses_groups(mesh, sizes=(world,)))
+    batch = collator(docs)
+    assert batch["cp_context"].ulysses_size == world
+    out = ours(**batch)
+    (out.loss * batch["num_items_in_batch"]).backward()
+    for p in ours.parameters():
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+        dist.all_reduce(p.grad)
+    loss = out.loss.detach() * batch["num_items_in_batch"]
+    dist.all_reduce(loss)
+    ref = torch.cat([alone.logits[i] for i in _packed_order(collator, docs)])
+    local = batch["cp_context"].local_index
+    real = local < ref.shape[0]
+    return compare([out.logits[0].detach()[real]], loss, {n: p.grad for n, p in ours.named_parameters()},
+                   dataclasses.replace(alone, logits=[ref[local[real]]]))
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(300)
+def test_head_parallel_layout_with_images():
+    for rank, err in enumerate(run_ranks(_ulysses_worker, 2, "qwen2_5_vl", timeout=240, init_group=False)):
+        assert max(err.values()) < 1e-4, (rank, err)
