@@ -213,6 +213,12 @@ def _split_items(example: Mapping[str, Any], kind: str, spec: MediaSpec, placeho
         values = {k: v[0] if v.dim() >= 2 and k in ("pixel_values", "pixel_attention_mask") else v
                   for k, v in values.items()}
         pixels = values[_PIXEL_KEY[kind]]
+    if spec.five_d and pixels.dim() == 4 and pixels.shape[0]:
+        blank = torch.nonzero(pixels.reshape(pixels.shape[0], -1).eq(0).all(dim=1)).flatten()
+        if blank.numel():  # the model takes an all-zero tile for padding and gives it no features
+            raise ValueError(f"example {index}: tile {int(blank[0])} of its pixel_values is all zeros, which "
+                             f"{spec.model_type} drops as padding (its placeholders would get no features); "
+                             "remove the tile and its placeholders, or give it non-zero pixels")
     grid_key = _GRID_KEY[kind]
     grid = values.get(grid_key)
     if grid is not None:

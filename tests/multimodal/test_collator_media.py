@@ -114,3 +114,14 @@ def test_from_flattened_refuses_images(qwen):
     flat = {"input_ids": torch.cat([d["input_ids"] for d in docs])[None], "pixel_values": docs[0]["pixel_values"]}
     with pytest.raises(ValueError, match="from_flattened carries text only"):
         bd.from_flattened(flat)
+
+
+def test_an_all_zero_idefics3_tile_is_refused():
+    from hf_blockdiag_cp.conformance.multimodal import synthetic_documents, tiny_vlm_config
+
+    config = tiny_vlm_config("idefics3")
+    doc = synthetic_documents(config, num_docs=1, seed=1, images=(1,))[0]
+    doc["pixel_values"] = doc["pixel_values"].clone()
+    doc["pixel_values"][0] = 0
+    with pytest.raises(ValueError, match="example 0: tile 0 of its pixel_values is all zeros"):
+        bd.PackingCollator(512, pad_token_id=0, model_config=config)([doc])
