@@ -55,7 +55,7 @@ def encoder_output_is_sequence(model: Any) -> bool:
     tensors (it concatenates them: llava, the Qwen family) rather than as one tensor (gemma3, internvl, paligemma).
 
     Read from the source of the forward that consumes it (the innermost module whose forward does); cached per
-    class. A forward that accepts both (idefics3, smolvlm) is given a sequence.
+    class. A forward that accepts both (idefics3, smolvlm: a sequence is concatenated further on) reads as a tensor.
     """
     for module in model.modules():
         cls = type(module)

@@ -317,3 +317,45 @@ def test_stock_attn_implementation_is_sdpa_else_eager():
     with torch.device("meta"):  # GOT-OCR2's SAM vision encoder declares no sdpa support
         got = transformers.AutoModelForImageTextToText.from_config(transformers.AutoConfig.for_model("got_ocr2"))
     assert compat.stock_attn_implementation(got.model.vision_tower) == "eager"
+
+
+# ---- vision-language models (issue 32) --------------------------------------------------------------------
+
+_VLMS = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_5", "llava", "idefics3", "smolvlm", "mistral3", "internvl",
+         "gemma3", "paligemma")
+
+
+@pytest.mark.parametrize("model_type", ["qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_5"])
+def test_rope_index_on_a_stand_in_equals_the_model_method(model_type):
+    """``get_rope_index`` reads only ``self.config`` and ``get_vision_position_ids``: the collator's stand-in (no
+    weights) gives what the built model's method gives."""
+    import transformers
+
+    from hf_blockdiag_cp.conformance.multimodal import build_vlm, synthetic_documents, tiny_vlm_config
+    from hf_blockdiag_cp.data.multimodal import media_spec
+
+    config = tiny_vlm_config(model_type)
+    doc = synthetic_documents(config, num_docs=1, seed=2, images=(2,))[0]
+    cls = getattr(transformers, transformers.models.auto.modeling_auto.MODEL_MAPPING_NAMES[model_type])
+    rope = compat.rope_index_function(config, cls)
+    args = (doc["input_ids"][None], doc["mm_token_type_ids"][None])
+    got, _ = rope(*args, image_grid_thw=doc["image_grid_thw"])
+    want, _ = build_vlm(config).model.get_rope_index(*args, image_grid_thw=doc["image_grid_thw"])
+    assert torch.equal(got, want)
+    assert media_spec(config).mrope and media_spec(tiny_vlm_config("llava")).rope_index is None
+
+
+@pytest.mark.parametrize("model_type", _VLMS)
+def test_vlm_forwards_take_encoder_outputs_and_read_them_as_the_package_assumes(model_type):
+    """Every covered VLM's forward takes ``mm_encoder_outputs``, and its ``pooler_output`` format (one tensor per
+    image, or one tensor) is what :func:`compat.encoder_output_is_sequence` reads from the source."""
+    import inspect
+
+    from hf_blockdiag_cp.conformance.multimodal import build_vlm, tiny_vlm_config
+
+    model = build_vlm(tiny_vlm_config(model_type))
+    assert compat.MULTIMODAL_ENCODER_KEYWORD in inspect.signature(type(model).forward).parameters
+    assert compat.MULTIMODAL_ENCODER_KEYWORD in inspect.signature(type(model.model).forward).parameters
+    # gemma3 / paligemma / internvl call .pooler_output.to(...); idefics3 / smolvlm take both forms (read as one tensor)
+    expected = model_type not in ("gemma3", "paligemma", "internvl", "idefics3", "smolvlm")
+    assert compat.encoder_output_is_sequence(model) is expected
