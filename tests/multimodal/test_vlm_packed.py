@@ -66,6 +66,26 @@ def test_packed_row_at_cp1(model_type):
     assert max(err.values()) < 1e-4, (model_type, err)
 
 
+def _cp_step_errors(ours, batch: dict, collator, docs: list, alone) -> dict[str, float]:
+    """One CP training step of ``batch`` on this rank (gradients and token-sum loss summed over the ranks) against
+    the reference: this rank's logits at its rows, the loss and every gradient."""
+    import torch.distributed as dist
+
+    out = ours(**batch)
+    (out.loss * batch["num_items_in_batch"]).backward()
+    for p in ours.parameters():
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+        dist.all_reduce(p.grad)
+    loss = out.loss.detach() * batch["num_items_in_batch"]
+    dist.all_reduce(loss)
+    ref = torch.cat([alone.logits[i] for i in _packed_order(collator, docs)])
+    local = batch["cp_context"].local_index
+    real = local < ref.shape[0]
+    return compare([out.logits[0].detach()[real]], loss, {n: p.grad for n, p in ours.named_parameters()},
+                   dataclasses.replace(alone, logits=[ref[local[real]]]))
+
+
 def _cp_worker(rank: int, world: int, types: tuple[str, ...]) -> dict[str, dict[str, float]]:
     import torch.distributed as dist
 
@@ -76,19 +96,7 @@ def _cp_worker(rank: int, world: int, types: tuple[str, ...]) -> dict[str, dict[
         collator = bd.PackingCollator(length, group=dist.group.WORLD, pad_token_id=0, model_config=ours.config,
                                       placement=placement)
         batch = collator(docs)
-        out = ours(**batch)
-        (out.loss * batch["num_items_in_batch"]).backward()
-        for p in ours.parameters():
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
-            dist.all_reduce(p.grad)
-        loss = out.loss.detach() * batch["num_items_in_batch"]
-        dist.all_reduce(loss)
-        ref = torch.cat([alone.logits[i] for i in _packed_order(collator, docs)])
-        local = batch["cp_context"].local_index
-        real = local < ref.shape[0]
-        err = compare([out.logits[0].detach()[real]], loss, {n: p.grad for n, p in ours.named_parameters()},
-                      dataclasses.replace(alone, logits=[ref[local[real]]]))
+        err = _cp_step_errors(ours, batch, collator, docs, alone)
         results[model_type] = {**err, "split": float(_splits_an_image(collator, docs, batch["cp_context"], world)),
                                "balanced": float(placement == "balanced")}
     return results
@@ -166,27 +174,13 @@ def test_saved_vlm_loaded_with_the_plain_string_trains_with_images(tmp_path):
 
 def _ulysses_worker(rank: int, world: int, model_type: str) -> dict[str, float]:
     """The head-parallel layout (ulysses_size = world) on a packed image row: images travel as under sequence CP."""
-    import torch.distributed as dist
-
     stock, ours, docs, alone = _setup(model_type, SPECS[0])
     mesh = bd.init_device_mesh(cp_size=world)
     collator = bd.PackingCollator(172, group=mesh["cp"], pad_token_id=0, model_config=ours.config,
                                   ulysses_size=world, ulysses_groups=bd.ulysses_groups(mesh, sizes=(world,)))
     batch = collator(docs)
     assert batch["cp_context"].ulysses_size == world
-    out = ours(**batch)
-    (out.loss * batch["num_items_in_batch"]).backward()
-    for p in ours.parameters():
-        if p.grad is None:
-            p.grad = torch.zeros_like(p)
-        dist.all_reduce(p.grad)
-    loss = out.loss.detach() * batch["num_items_in_batch"]
-    dist.all_reduce(loss)
-    ref = torch.cat([alone.logits[i] for i in _packed_order(collator, docs)])
-    local = batch["cp_context"].local_index
-    real = local < ref.shape[0]
-    return compare([out.logits[0].detach()[real]], loss, {n: p.grad for n, p in ours.named_parameters()},
-                   dataclasses.replace(alone, logits=[ref[local[real]]]))
+    return _cp_step_errors(ours, batch, collator, docs, alone)
 
 
 @pytest.mark.distributed
