@@ -317,3 +317,32 @@ def test_stock_attn_implementation_is_sdpa_else_eager():
     with torch.device("meta"):  # GOT-OCR2's SAM vision encoder declares no sdpa support
         got = transformers.AutoModelForImageTextToText.from_config(transformers.AutoConfig.for_model("got_ocr2"))
     assert compat.stock_attn_implementation(got.model.vision_tower) == "eager"
+
+
+# ---- transformers: DSA indexers (sparse/indexer.py) ---------------------------------------------------------------
+
+@pytest.mark.parametrize("class_name", sorted(compat.SPARSE_INDEXERS))
+def test_sparse_indexers_keep_their_signature_attributes_and_rope(class_name):
+    import importlib
+    import inspect
+
+    from hf_blockdiag_cp.conformance.configs import tiny_config
+
+    module_name, rope_name = compat.SPARSE_INDEXERS[class_name]
+    modeling = importlib.import_module(module_name)
+    cls = getattr(modeling, class_name)
+    assert tuple(inspect.signature(cls.forward).parameters)[:len(compat.SPARSE_INDEXER_PARAMS)] == \
+        compat.SPARSE_INDEXER_PARAMS
+    model_type = "deepseek_v32" if "Deepseek" in class_name else "glm_moe_dsa"
+    indexer = cls(tiny_config(model_type), 0)
+    assert all(hasattr(indexer, a) for a in compat.SPARSE_INDEXER_ATTRS)
+    assert compat.indexer_rope(indexer) is getattr(modeling, rope_name)
+    # the attention classes pass attention_mask[:, 0, :, :] to the indexer and indices= to the attention function
+    source = "".join(inspect.getsource(getattr(modeling, name)) for name in dir(modeling)
+                     if name in compat.SPARSE_ATTENTIONS)
+    assert "attention_mask[:, 0, :, :]" in source and "indices=sparse_indices" in source
+    # the RoPE function rotates [B, S, H, D] with unsqueeze_dim=2 (as the indexer calls it)
+    q, k = torch.randn(1, 3, 2, 8), torch.randn(1, 3, 1, 8)
+    cos, sin = torch.randn(1, 3, 8), torch.randn(1, 3, 8)
+    q_rot, k_rot = compat.indexer_rope(indexer)(q, k, cos, sin, unsqueeze_dim=2)
+    assert q_rot.shape == q.shape and k_rot.shape == k.shape
