@@ -6,9 +6,9 @@ model loaded with, or switched to, ``attn_implementation="blockdiag_cp"``), by
 ``CPSFTTrainer``. Whatever calls it, in whatever order, a prepared model carries exactly:
 
 - a :class:`ForwardProbe` shared by all its submodules (the attention function counts its calls there);
-- a per-instance ``forward`` on each of its recurrent mixers (:mod:`hf_blockdiag_cp.recurrent.install`) and its DSA indexers
-  (:mod:`hf_blockdiag_cp.sparse.indexer`), which read the forward's document fragments (``probe.runs``, set by the
-  pre-hook);
+- a per-instance ``forward`` on each of its recurrent mixers (:mod:`hf_blockdiag_cp.recurrent.install`) and DSA
+  indexers (:mod:`hf_blockdiag_cp.sparse.indexer`), which read the forward's document fragments (``probe.runs``, set
+  by the pre-hook);
 - one forward **pre-hook**, which in this order
   1. *checks and fills* (strict models only, i.e. after ``guard_model``): :func:`~.batch.check_batch`
      refuses a ``cp_context`` the model's attention would ignore or CP labels without ``shift_labels``,
