@@ -288,3 +288,29 @@ def forget_accelerate_prepared(accelerator: Any, model: torch.nn.Module) -> None
         del model._is_accelerate_prepared
     if model in accelerator._models:
         accelerator._models.remove(model)
+
+
+# ---- transformers: DSA indexers (hf_blockdiag_cp/sparse/indexer.py) ---------------------------------------------
+
+#: Indexer class -> (its modeling module, the RoPE function it applies to the first ``qk_rope_head_dim`` dims of its
+#: queries and key, called with ``unsqueeze_dim=2``): DeepSeek-V3.2 rotates half-split, GLM-MoE-DSA interleaved.
+SPARSE_INDEXERS: dict[str, tuple[str, str]] = {
+    "DeepseekV32Indexer": ("transformers.models.deepseek_v32.modeling_deepseek_v32", "apply_rotary_pos_emb"),
+    "GlmMoeDsaIndexer": ("transformers.models.glm_moe_dsa.modeling_glm_moe_dsa", "apply_rotary_pos_emb_interleave"),
+}
+#: The parameters of their ``forward`` (the attention layer passes ``attention_mask[:, 0, :, :]`` as the fourth).
+SPARSE_INDEXER_PARAMS = ("self", "hidden_states", "q_resid", "position_embeddings", "attention_mask", "position_ids",
+                         "cache")
+#: The attributes the served forward reads (projections, norms, sizes).
+SPARSE_INDEXER_ATTRS = ("wq_b", "wk", "k_norm", "weights_proj", "n_heads", "head_dim", "qk_rope_head_dim",
+                        "index_topk", "softmax_scale", "layer_idx")
+#: The attention classes that own those indexers and pass the selection to the attention function as ``indices=``
+#: (every implementation but eager / sdpa); GLM's ``"shared"`` layers (``indexer is None``) reuse the previous
+#: layer's selection (``prev_topk_indices``).
+SPARSE_ATTENTIONS = frozenset({"DeepseekV32Attention", "GlmMoeDsaAttention"})
+
+
+def indexer_rope(module: Any) -> Any:
+    """The RoPE function ``module`` (an indexer of :data:`SPARSE_INDEXERS`) applies, from its modeling module."""
+    module_name, function = SPARSE_INDEXERS[type(module).__name__]
+    return getattr(sys.modules[module_name], function)

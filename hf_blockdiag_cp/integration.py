@@ -60,7 +60,7 @@ from transformers.masking_utils import AttentionMaskInterface
 from .attention.core import attend_flat, autocast_like_sdpa, check_qkv, flat_rows, kernel_spec, resolve_backend
 from .attention.cp import sequence_attention
 from .attention.keywords import check_keywords, chunked_context_plan, plan_from_kwargs, refuse_appended_keys
-from .attention.mask import BlockDiagMask, blockdiag_cp_mask
+from .attention.mask import BlockDiagMask, IndexerMask, blockdiag_cp_mask
 from .attention.ulysses_path import head_parallel_attention
 from .compat import CONFIG_ATTN_PROPERTY
 from .config import ATTN_IMPLEMENTATION, BlockDiagCPConfig
@@ -70,6 +70,7 @@ from .model.detect import refuse_bypassing_model, uses_blockdiag_cp
 from .model.prepare import check_context_reached, forward_context, mark_attention_call, prepare_model
 from .model.subconfigs import fill_unresolved, spread_attn_implementation, switch_attn_implementation
 from .runtime import DevicePlan, device_plan
+from .sparse import query_bounds, served_indices_refusal, sparse_attention
 
 __all__ = ["ATTN_IMPLEMENTATION", "PATCHED_METHODS", "STRATEGIES", "WRAPPED_ATTR", "BlockDiagMask", "LayerCall",
            "blockdiag_cp_attention", "blockdiag_cp_mask", "patch_transformers", "patched_function",
@@ -99,8 +100,9 @@ def blockdiag_cp_attention(module: torch.nn.Module, query: torch.Tensor, key: to
         sliding_window: keys visible to a query (itself included), ``None`` = unlimited; a window in the
             mask function (what transformers' sdpa and eager apply) takes precedence.
         softcap: logit softcapping (flash / flex backends only).
-        **kwargs: ``cp_context``, ``cu_seq_lens_q/k``, ``max_length_q/k``, ``position_ids``, ...; any
-            other keyword that would change the attention raises ``NotImplementedError``.
+        **kwargs: ``cp_context``, ``cu_seq_lens_q/k``, ``max_length_q/k``, ``position_ids``, ``indices`` (``[B, L, K]``
+            keys selected by a DSA indexer served per document, :mod:`hf_blockdiag_cp.sparse`), ...; any other keyword
+            that would change the attention raises ``NotImplementedError``.
 
     Returns:
         ``(out [B, L, Hq, D], None)``.
@@ -112,6 +114,13 @@ def blockdiag_cp_attention(module: torch.nn.Module, query: torch.Tensor, key: to
     # Layers that drop the model's kwargs (stablelm, nemotron, falcon) get the context their forward was given.
     kwargs["cp_context"] = forward_context(module, kwargs.get("cp_context"))
     check_context_reached(module, kwargs["cp_context"])
+    if isinstance(attention_mask, IndexerMask):
+        raise NotImplementedError(f"{model_type}: {type(module).__name__} passed its indexer's mask "
+                                  "(attention_mask[:, 0]) to attention; blockdiag_cp cannot serve it")
+    if kwargs.get("indices") is not None:
+        refusal = served_indices_refusal(module)
+        if refusal is not None:
+            raise NotImplementedError(f"{model_type}: {refusal}; blockdiag_cp refuses rather than ignore them")
     refuse_appended_keys(mask, query, key, model_type)  # keys that are neither the local rows nor a cache
     if mask is not None:
         if mask.spec.refusal is not None:
@@ -235,17 +244,28 @@ def _attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, atte
 
 def _strategy(call: LayerCall) -> str:
     """Which entry of :data:`STRATEGIES` serves ``call`` (host attribute reads only)."""
+    sparse = call.kwargs.get("indices") is not None
     if isinstance(call.attention_mask, torch.Tensor):
+        if sparse:
+            raise NotImplementedError("blockdiag_cp cannot apply sparse indexer indices together with a "
+                                      "user-supplied dense attention_mask")
         return "user_mask"
     ctx = call.ctx
     if ctx is None:
-        return "keywords"
+        return "sparse" if sparse else "keywords"
     if not isinstance(ctx, BlockDiagCPContext):
         raise TypeError(f"cp_context must be a BlockDiagCPContext, got {type(ctx).__name__}")
     mask = call.mask
     if mask is not None and (mask.q_offset or mask.kv_offset or call.key.shape[2] != call.query.shape[2]):
         raise ValueError("cp_context cannot be combined with a KV cache; pass use_cache=False when training")
     ctx.check_local(call.query.shape[0], call.query.shape[2])
+    if sparse and ctx.cp_size > 1:
+        raise NotImplementedError(
+            f"sparse indexer attention (indices=) under context parallelism (CP size {ctx.cp_size}) is not "
+            "implemented by blockdiag_cp: the selected keys of a document split over ranks (the MLA latent and rope "
+            "key) would have to be exchanged; run it with CP size 1")
+    if sparse:
+        return "sparse"
     if ctx.cp_size == 1:
         return "local"
     return "sequence" if ctx.ulysses_size == 1 else "head_parallel"
@@ -289,6 +309,28 @@ def _local(call: LayerCall) -> torch.Tensor:
     return _run_local(call, plan, ctx.config)
 
 
+def _sparse(call: LayerCall) -> torch.Tensor:
+    """``indices=`` from a DSA indexer served per document (CP = 1): attention over the selected keys, within the
+    same plan's bounds as the dense path (the context's, else the keyword arguments')."""
+    check_qkv(call.query, call.key, call.value)
+    for what, value in (("a sliding window", call.window), ("softcap", call.softcap), ("attention sinks", call.sinks),
+                        ("chunked attention", call.chunk_size)):
+        if value is not None:
+            raise NotImplementedError(f"blockdiag_cp's sparse indexer attention does not implement {what}")
+    if call.ctx is not None:
+        plan, config = device_plan(call.ctx, call.query.device, None), call.ctx.config
+    else:
+        config = call.mask.config if call.mask is not None else BlockDiagCPConfig()
+        plan = plan_from_kwargs(call.query, call.key, call.mask, call.kwargs, config)
+    indices = call.kwargs["indices"]
+    batch, local_len = call.query.shape[0], call.query.shape[2]
+    if indices.dim() != 3 or tuple(indices.shape[:2]) != (batch, local_len):
+        raise ValueError(f"indices must be [B={batch}, L={local_len}, K], got shape {tuple(indices.shape)}")
+    return sparse_attention(flat_rows(call.query), flat_rows(call.key), flat_rows(call.value), indices,
+                            query_bounds(plan.plan, call.query.device), scale=call.scale, dropout_p=call.dropout,
+                            training=call.dropout > 0)
+
+
 def _sequence(call: LayerCall) -> torch.Tensor:
     # Chunks only remove keys: the same exchange serves them, with a finer plan over its buffer.
     chunked = None if call.chunk_size is None else chunked_context_plan(call.ctx, call.mask, call.query.device)
@@ -308,6 +350,7 @@ STRATEGIES: dict[str, Callable[[LayerCall], torch.Tensor]] = {
     "user_mask": _user_mask,  # a caller-built 4-D mask: dense SDPA with that exact mask
     "keywords": _keywords,  # no cp_context: plan from cu_seq_lens / position_ids
     "local": _local,  # cp_context with cp_size == 1
+    "sparse": _sparse,  # indices= from a DSA indexer served per document, CP = 1 (hf_blockdiag_cp/sparse)
     "sequence": _sequence,  # cp_size > 1, ulysses_size == 1 (attention/cp.py)
     "head_parallel": _head_parallel,  # cp_size > 1, ulysses_size > 1 (attention/ulysses_path.py)
 }

@@ -9,7 +9,7 @@ positions (bottom-right), which is what ``generate()`` needs. Llama 4's chunked 
 documents (and a ``cp_context``'s) at chunk boundaries. The plan is made once per forward and kept on
 the :class:`~.mask.BlockDiagMask`.
 
-Attention keywords this package does not implement (``position_bias``, sparse ``indices``, ...) are
+Attention keywords this package does not implement (``position_bias``, sparse ``block_indices``, ...) are
 refused with ``NotImplementedError`` naming the cause, never dropped.
 """
 
@@ -39,7 +39,7 @@ __all__ = ["check_keywords", "chunked_context_plan", "plan_from_kwargs", "refuse
 #: Keywords the attention function reads.
 _USED_KEYWORDS = frozenset({
     "cp_context", "cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "position_ids", "is_causal",
-    "output_attentions", "s_aux",
+    "output_attentions", "s_aux", "indices",
 })
 #: Keywords that reach attention functions but do not change what attention computes (transformers'
 #: sdpa and flash integrations ignore them too): model/cache/output bookkeeping, loss inputs that the

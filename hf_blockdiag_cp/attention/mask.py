@@ -20,7 +20,7 @@ from ..errors import MaskConsumedError
 from ..runtime import DevicePlan
 from .mask_spec import MaskSpec, describe_mask_function
 
-__all__ = ["BlockDiagMask", "MaskConsumedError", "blockdiag_cp_mask"]
+__all__ = ["BlockDiagMask", "IndexerMask", "MaskConsumedError", "blockdiag_cp_mask"]
 
 
 def _mask_consumed(mask: BlockDiagMask, what: str) -> MaskConsumedError:
@@ -53,7 +53,9 @@ class BlockDiagMask:
     model as ``attention_mask``; for that round trip the object presents itself as the 2-D padding
     mask it came from (``ndim == 2``, ``.to()`` is a no-op) and :func:`blockdiag_cp_mask` unwraps it.
     Any other use by model code (indexing, arithmetic, tensor attributes, torch functions) raises
-    :class:`MaskConsumedError` naming the model, instead of a confusing ``TypeError``.
+    :class:`MaskConsumedError` naming the model, instead of a confusing ``TypeError``; the one exception is
+    ``attention_mask[:, 0, :, :]``, what DSA attention layers hand their indexer: an :class:`IndexerMask`, which
+    the package's served indexers read (:mod:`hf_blockdiag_cp.sparse.indexer`) and which refuses every other use.
     """
 
     padding_mask: torch.Tensor | None
@@ -89,8 +91,47 @@ class BlockDiagMask:
                              f"{getattr(func, '__name__', func)}(attention_mask, ...)")
 
 
+#: ``attention_mask[:, 0, :, :]`` (and ``[:, 0]``): DSA attention layers' mask for their indexer ``[B, S, T]``.
+_INDEXING = "attention_mask.__getitem__"
+_INDEXER_KEYS = ((slice(None), 0, slice(None), slice(None)), (slice(None), 0))
+
+
+def _getitem(self: BlockDiagMask, key: Any) -> IndexerMask:
+    if isinstance(key, tuple) and all(type(x) in (slice, int) for x in key) and key in _INDEXER_KEYS:
+        return IndexerMask(self)
+    raise _mask_consumed(self, _INDEXING)
+
+
+@dataclass(eq=False)
+class IndexerMask:
+    """``mask[:, 0, :, :]`` of a :class:`BlockDiagMask`: what a DSA attention layer hands its indexer.
+
+    Served indexers (:mod:`hf_blockdiag_cp.sparse.indexer`) read ``mask`` (padding, offsets, model type) and take
+    the documents from the forward's preparation; any other use (a stock indexer's ``masked_fill``, ``dtype``)
+    raises :class:`MaskConsumedError` naming the indexing (``attention_mask.__getitem__``), as the full mask did
+    before indexers were served. It is not an attention mask: an attention function given one refuses it.
+    """
+
+    mask: BlockDiagMask
+
+    ndim = 3
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("__") or name == "mask":
+            raise AttributeError(name)
+        raise _mask_consumed(self.mask, _INDEXING)
+
+    @classmethod
+    def __torch_function__(cls, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        found = next((a for a in (*args, *(kwargs or {}).values()) if isinstance(a, IndexerMask)), None)
+        mask = found.mask if found is not None else BlockDiagMask(None, 0, 0, 0, 0)
+        raise _mask_consumed(mask, _INDEXING)
+
+
 def _refuse_operator(name: str) -> Any:
-    def operator(self: BlockDiagMask, *args: Any, **kwargs: Any) -> Any:
+    def operator(self: BlockDiagMask | IndexerMask, *args: Any, **kwargs: Any) -> Any:
+        if isinstance(self, IndexerMask):
+            raise _mask_consumed(self.mask, _INDEXING)
         raise _mask_consumed(self, f"attention_mask.{name}")
     operator.__name__ = name
     return operator
@@ -102,7 +143,9 @@ for _op in ("__getitem__", "__add__", "__radd__", "__sub__", "__rsub__", "__mul_
             "__and__", "__rand__", "__or__", "__ror__", "__invert__", "__neg__", "__lt__", "__le__", "__gt__",
             "__ge__", "__iter__", "__len__", "__array__", "__float__", "__int__", "__index__"):
     setattr(BlockDiagMask, _op, _refuse_operator(_op))
+    setattr(IndexerMask, _op, _refuse_operator(_op))
 del _op
+BlockDiagMask.__getitem__ = _getitem
 
 
 def blockdiag_cp_mask(batch_size: int, q_length: int, kv_length: int, q_offset: int | torch.Tensor = 0,

@@ -109,6 +109,22 @@ BEYOND_ATTENTION = (
     "last `k` positions, as stock.",
     "- *A model that computes its own loss* (whisper's causal LM): its logits are exact, but a training batch's "
     "`labels` / `shift_labels` are refused (compute the loss from the logits); its detail cell says so.",
+    '- *Sparse-indexer attention* (DeepSeek-V3.2 DSA `deepseek_v32`, GLM-MoE-DSA `glm_moe_dsa`, its `"shared"` '
+    'layers included): each indexer is served per document (`hf_blockdiag_cp/sparse/`): a query is scored only '
+    'against the keys of its own document at or before it, with a running top-k over key blocks (never an `[L, S]` '
+    'score matrix), and attends over its selected keys (gather + softmax, memory `O(L · index_topk)` per head); a '
+    'document no longer than `index_topk` selects every earlier key without scoring. **Tie rule**: keys are ranked '
+    'by score, descending, and keys of equal score by their position *in the document*, ascending (the lower '
+    'position first). The stock indexers call `torch.topk` over the whole row, whose choice among equal scores '
+    'depends on the absolute index in the row; with tiny random weights many keys score exactly 0 (ReLU) and ties '
+    'at the cut-off are common, so the stock model on a packed row differs from its documents alone (0.19 / 0.15 in'
+    " logits, `tests/sparse/test_packed_cp1.py`). The package's rule depends on nothing but the document (not its "
+    'place in the row, its neighbours, or later the CP split); with the same stable rule patched into the stock '
+    "indexer's top-k, a packed row at CP = 1 equals each document alone (`cp_context`, `cu_seq_lens_*` and packed "
+    '`position_ids`: logits, loss and gradients within 3e-7). Where scores are not tied the selection is the stock '
+    'one. The conformance check above runs the default `index_topk` (2048: every key selected); CP > 1 is refused '
+    'on every rank (the indexer keys and MLA latent exchange is not implemented yet), as are a cache with packed '
+    'rows and a `cp_context` (`use_cache=False`).',
 )
 
 

@@ -6,6 +6,9 @@ model loaded with, or switched to, ``attn_implementation="blockdiag_cp"``), by
 ``CPSFTTrainer``. Whatever calls it, in whatever order, a prepared model carries exactly:
 
 - a :class:`ForwardProbe` shared by all its submodules (the attention function counts its calls there);
+- a per-instance ``forward`` on each of its recurrent mixers (:mod:`hf_blockdiag_cp.recurrent.install`) and DSA
+  indexers (:mod:`hf_blockdiag_cp.sparse.indexer`), which read the forward's document fragments (``probe.runs``, set
+  by the pre-hook);
 - one forward **pre-hook**, which in this order
   1. *checks and fills* (strict models only, i.e. after ``guard_model``): :func:`~.batch.check_batch`
      refuses a ``cp_context`` the model's attention would ignore or CP labels without ``shift_labels``,
@@ -48,6 +51,7 @@ from transformers import PreTrainedModel
 from ..compat import forward_hooks, in_autograd_backward
 from ..recurrent.install import install_recurrent, uninstall_recurrent
 from ..recurrent.runs import local_runs
+from ..sparse.indexer import install_indexers, uninstall_indexers
 from .batch import arguments, check_batch, check_cp_loss_count, fill_position_ids, packing, positional_index
 from .detect import (
     UnsupportedModel,
@@ -93,6 +97,7 @@ class ForwardProbe:
         held_context: the ``cp_context`` (CP > 1) of the latest forward, kept after it (activation-checkpoint
             recompute): attention layers called without the model's keyword arguments use it (:func:`forward_context`).
         recurrent_mixers: recurrent mixers served per document fragment (:mod:`hf_blockdiag_cp.recurrent`).
+        sparse_indexers: DSA indexers served per document (:mod:`hf_blockdiag_cp.sparse.indexer`).
         runs: the :class:`~hf_blockdiag_cp.recurrent.runs.LocalRuns` of the latest forward with packed rows or a
             ``cp_context`` (``None``: one document per row), set by the pre-hook of every forward and kept after
             it, so that an activation-checkpoint recompute during backward reads the same fragments.
@@ -110,6 +115,7 @@ class ForwardProbe:
     head_refusal: str | None = None
     mrope: bool = False
     recurrent_mixers: int = 0
+    sparse_indexers: int = 0
     runs: Any = None
     held_context: Any = None
 
@@ -192,6 +198,7 @@ def prepare_model(model: torch.nn.Module, *, strict: bool = False) -> torch.nn.M
     for sub in model.modules():
         sub.__dict__[PROBE_ATTR] = probe
     probe.recurrent_mixers = install_recurrent(model, probe)
+    probe.sparse_indexers = install_indexers(model, probe)
     if isinstance(model, PreTrainedModel) and uses_blockdiag_cp(model):  # its pair refuses for its nested models
         for sub in list(model.modules())[1:]:
             nested = sub.__dict__.pop(PREPARATION_ATTR, None)
@@ -221,6 +228,7 @@ def unprepare_model(model: torch.nn.Module) -> torch.nn.Module:
             _remove(preparation)
         sub.__dict__.pop(PROBE_ATTR, None)
     uninstall_recurrent(model)
+    uninstall_indexers(model)
     return model
 
 
@@ -256,7 +264,7 @@ def _pre_forward(module: torch.nn.Module, args: tuple,
         probe.cp_context = ctx if getattr(ctx, "cp_size", 1) > 1 else None
         probe.held_context = probe.cp_context
         _refuse(module, probe, args, kwargs)
-        if probe.recurrent_mixers and not any(key != id(module) for key in probe.starts):
+        if (probe.recurrent_mixers or probe.sparse_indexers) and not any(key != id(module) for key in probe.starts):
             named = arguments(module, args, kwargs)
             probe.runs = local_runs(named, packing(named) is not None)
         if not any(key != id(module) for key in probe.starts):  # the outermost prepared module of the forward

@@ -37,7 +37,7 @@ FAST = {
     "llama4_text": (EXACT, ""),
     # 3. model code reading the mask itself
     "doge": (REFUSED, "reads the attention mask itself"),
-    "deepseek_v32": (REFUSED, "reads the attention mask itself"),
+    "deepseek_v32": (EXACT, ""),  # its DSA indexer served per document (hf_blockdiag_cp/sparse)
     # 4. attention outside AttentionInterface
     "openai-gpt": (REFUSED, "does not route attention through transformers' AttentionInterface"),
     "xlnet": (REFUSED, "does not route attention through transformers' AttentionInterface"),

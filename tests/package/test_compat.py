@@ -359,3 +359,32 @@ def test_vlm_forwards_take_encoder_outputs_and_read_them_as_the_package_assumes(
     # gemma3 / paligemma / internvl call .pooler_output.to(...); idefics3 / smolvlm take both forms (read as one tensor)
     expected = model_type not in ("gemma3", "paligemma", "internvl", "idefics3", "smolvlm")
     assert compat.encoder_output_is_sequence(model) is expected
+
+
+# ---- transformers: DSA indexers (sparse/indexer.py) ---------------------------------------------------------------
+
+@pytest.mark.parametrize("class_name", sorted(compat.SPARSE_INDEXERS))
+def test_sparse_indexers_keep_their_signature_attributes_and_rope(class_name):
+    import importlib
+    import inspect
+
+    from hf_blockdiag_cp.conformance.configs import tiny_config
+
+    module_name, rope_name = compat.SPARSE_INDEXERS[class_name]
+    modeling = importlib.import_module(module_name)
+    cls = getattr(modeling, class_name)
+    assert tuple(inspect.signature(cls.forward).parameters)[:len(compat.SPARSE_INDEXER_PARAMS)] == \
+        compat.SPARSE_INDEXER_PARAMS
+    model_type = "deepseek_v32" if "Deepseek" in class_name else "glm_moe_dsa"
+    indexer = cls(tiny_config(model_type), 0)
+    assert all(hasattr(indexer, a) for a in compat.SPARSE_INDEXER_ATTRS)
+    assert compat.indexer_rope(indexer) is getattr(modeling, rope_name)
+    # the attention classes pass attention_mask[:, 0, :, :] to the indexer and indices= to the attention function
+    source = "".join(inspect.getsource(getattr(modeling, name)) for name in dir(modeling)
+                     if name in compat.SPARSE_ATTENTIONS)
+    assert "attention_mask[:, 0, :, :]" in source and "indices=sparse_indices" in source
+    # the RoPE function rotates [B, S, H, D] with unsqueeze_dim=2 (as the indexer calls it)
+    q, k = torch.randn(1, 3, 2, 8), torch.randn(1, 3, 1, 8)
+    cos, sin = torch.randn(1, 3, 8), torch.randn(1, 3, 8)
+    q_rot, k_rot = compat.indexer_rope(indexer)(q, k, cos, sin, unsqueeze_dim=2)
+    assert q_rot.shape == q.shape and k_rot.shape == k.shape

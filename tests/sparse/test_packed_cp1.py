@@ -1,0 +1,86 @@
+"""DSA models (deepseek_v32, glm_moe_dsa with a "shared" layer) on packed rows at CP = 1, in the three batch forms
+the package accepts, against each document alone through the stock model with the stable tie rule in its indexer.
+
+The documents (9-41 tokens, ``index_topk = 8``) make the selection sparse, and the tiny random weights give exact
+ties at the cut-off (keys whose ReLU is 0 in every head), so the tie rule is exercised: the stock model with plain
+``torch.topk`` differs on the same row.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hf_blockdiag_cp.conformance.runs import (
+    VARIANTS,
+    document_loss,
+    forward_logits,
+    grad_error,
+    packed_inputs,
+    packed_run,
+)
+from tests.sparse.harness import documents, models, stable_indexer_topk
+
+MODEL_TYPES = ("deepseek_v32", "glm_moe_dsa")
+
+
+def _reference(stock, docs):
+    """Each document alone through ``stock`` (stable tie rule): ``(logits [T, V], loss, gradients)``."""
+    stock.zero_grad(set_to_none=True)
+    with stable_indexer_topk(stock):
+        logits = [forward_logits(stock, d[None])[0] for d in docs]
+    loss = sum(document_loss(lg, d) for lg, d in zip(logits, docs))
+    loss.backward()
+    grads = {n: p.grad.detach().clone() for n, p in stock.named_parameters() if p.grad is not None}
+    return torch.cat(logits).detach(), loss.detach(), grads
+
+
+def _packed(model, docs, variant):
+    logits, grads = packed_run(model, docs, packed_inputs(docs, variant, 0))
+    bounds = torch.tensor([0, *[len(d) for d in docs]]).cumsum(0).tolist()
+    loss = sum(document_loss(logits[a:b], d) for a, b, d in zip(bounds, bounds[1:], docs))
+    return logits, loss, grads
+
+
+def _rel(a, b):
+    return float((a - b).abs().max() / b.abs().max())
+
+
+@pytest.mark.parametrize("model_type", MODEL_TYPES)
+def test_packed_rows_match_documents_alone_with_the_stable_rule(model_type):
+    stock, ours, config = models(model_type)
+    if model_type == "glm_moe_dsa":  # the second layer reuses the first layer's selection
+        assert [layer.self_attn.indexer is None for layer in ours.model.layers] == [False, True]
+    docs = documents(config)
+    ref_logits, ref_loss, ref_grads = _reference(stock, docs)
+    for variant in VARIANTS:
+        logits, loss, grads = _packed(ours, docs, variant)
+        assert _rel(logits, ref_logits) <= 1e-4, f"{variant}: logits differ by {_rel(logits, ref_logits):.2e}"
+        assert abs(float(loss - ref_loss)) / float(ref_loss) <= 1e-4, f"{variant}: loss {loss} vs {ref_loss}"
+        assert grad_error(grads, ref_grads) <= 1e-4, f"{variant}: gradients differ"
+    # the plain torch.topk of the stock model on the same packed row breaks ties by row position: it differs
+    plain_logits, _, _ = _packed(stock, docs, "position_ids")
+    assert _rel(plain_logits, ref_logits) > 1e-2, "no tie at the cut-off was exercised"
+
+
+@pytest.mark.parametrize("model_type", MODEL_TYPES)
+def test_documents_shorter_than_index_topk_select_every_earlier_key(model_type):
+    """index_topk (64) longer than every document and than the row: identical to the plain stock model."""
+    stock, ours, config = models(model_type, topk=64)
+    docs = documents(config, lengths=(9, 23, 5, 12))
+    ref_logits, ref_loss, ref_grads = _reference(stock, docs)
+    plain = [forward_logits(stock, d[None])[0] for d in docs]
+    assert torch.equal(torch.cat(plain).detach(), ref_logits)
+    for variant in VARIANTS:
+        logits, loss, grads = _packed(ours, docs, variant)
+        assert _rel(logits, ref_logits) <= 1e-4 and grad_error(grads, ref_grads) <= 1e-4, variant
+
+
+def test_activation_checkpointing_replays_the_selection():
+    stock, ours, config = models("glm_moe_dsa")
+    docs = documents(config)
+    ref_logits, _, ref_grads = _reference(stock, docs)
+    ours.train()
+    ours.activation_checkpointing_enable()
+    logits, _, grads = _packed(ours, docs, "collator")
+    assert _rel(logits, ref_logits) <= 1e-4 and grad_error(grads, ref_grads) <= 1e-4
