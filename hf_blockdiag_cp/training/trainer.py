@@ -30,6 +30,7 @@ from ..compat import accelerate_prepared, cache_eval_dataloader, check_trainer_i
 from ..config import BlockDiagCPConfig
 from ..context import BlockDiagCPContext
 from ..data import PackedDataset, PackingCollator
+from ..errors import Refusal
 from ..model import require_blockdiag_cp
 from .checks import check_collator, check_no_accelerate_cp, guard_model
 from .chunked_loss import DEFAULT_CHUNK_SIZE, check_chunked_loss, chunked_causal_lm_loss
@@ -282,7 +283,7 @@ class CPTrainer(Trainer):
             except NotImplementedError as err:
                 reason = str(err)
         if reason is not None and raise_:
-            raise NotImplementedError(f"chunked_loss=True: {reason}; pass chunked_loss=None or False")
+            raise Refusal(f"chunked_loss=True: {reason}; pass chunked_loss=None or False")
         return reason
 
     def compute_loss(self, model: torch.nn.Module, inputs: dict[str, Any], return_outputs: bool = False,

@@ -25,6 +25,7 @@ def test_all_is_short_and_importable():
 def test_every_exception_has_one_base_and_keeps_its_builtin_base():
     builtin = {"PlanError": ValueError, "ExchangeSizeError": ValueError, "UnsupportedModel": NotImplementedError,
                "BackendUnavailable": NotImplementedError, "MaskConsumedError": NotImplementedError,
+               "Refusal": NotImplementedError,
                "AgreementError": RuntimeError, "CollectiveError": RuntimeError, "CPKernelError": RuntimeError,
                "ParameterMismatchError": RuntimeError}
     for name in errors.__all__:
