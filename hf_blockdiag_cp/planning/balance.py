@@ -3,7 +3,11 @@
 Items (a whole document, a head-tail pair of its chunks, or a contiguous part of one that fit no rank) are
 placed heaviest first on the least loaded rank with room (:func:`assign`), then improved by a local search
 that moves or swaps whole items (:func:`improve`). The rounds, and the placement made of their result, are
-:func:`~hf_blockdiag_cp.planning.placement.balanced_placement`'s; the work of an item is :func:`.work.piece_work`.
+:func:`~hf_blockdiag_cp.planning.placement.balanced_placement`'s.
+
+Work model: a query at in-document offset ``t`` attends ``t + 1`` keys (``min(t + 1, w)`` under a sliding window
+``w``); the work of an item is the sum over its queries, averaged over the model's windows (:func:`piece_work`;
+a placement's work per rank is :func:`~hf_blockdiag_cp.planning.placement.rank_work`).
 """
 
 from __future__ import annotations
@@ -17,9 +21,21 @@ from typing import Any
 import numpy as np
 
 from .varlen import PlanError
-from .work import piece_work
 
-__all__ = ["Item", "assign", "cheapest_split", "head_tail_items", "improve", "make_item", "spill"]
+__all__ = ["Item", "assign", "cheapest_split", "head_tail_items", "improve", "make_item", "piece_work", "spill"]
+
+
+def piece_work(start: int, end: int, windows: Sequence[int | None] = (None,)) -> float:
+    """Causal query-key pairs of a document's queries at offsets ``[start, end)``, averaged over ``windows``."""
+    total = 0.0
+    for window in windows:
+        if window is None:
+            total += (end * (end + 1) - start * (start + 1)) / 2
+        else:
+            # Offsets below the window see t + 1 keys, the rest see the full window.
+            mid = min(max(start, window), end)
+            total += (mid * (mid + 1) - start * (start + 1)) / 2 + (end - mid) * window
+    return total / len(windows)
 
 
 @dataclass

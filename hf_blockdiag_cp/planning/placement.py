@@ -19,8 +19,8 @@ Kinds:
 Work model: a query at in-document offset ``t`` attends ``t + 1`` keys (``min(t + 1, w)`` under a
 sliding window ``w``); a rank's work is the sum over its queries, averaged over the model's windows.
 
-This module holds the placements and the balanced placement's rounds; the work model is :mod:`.work`, the
-assignment of documents to ranks in one round :mod:`.balance`.
+This module holds the placements, the balanced placement's rounds and the work per rank (:func:`rank_work`); one
+round's assignment of documents to ranks, and the work of a piece, are :mod:`.balance`'s.
 """
 
 from __future__ import annotations
@@ -42,15 +42,14 @@ from .balance import cheapest_split as _cheapest_split
 from .balance import head_tail_items as _head_tail_items  # noqa: F401
 from .balance import improve as _improve
 from .balance import make_item as _item  # noqa: F401
+from .balance import piece_work
 from .balance import spill as _spill  # noqa: F401
-from .documents import arange, document_spans
+from .documents import arange, document_spans, run_starts
 from .varlen import PlanError, QueryPiece
-from .work import piece_work, rank_work
-from .work import rank_work_tokens as _rank_work_tokens  # noqa: F401
 
-# The private names above and ``_assign`` / ``_improve`` are this module's from before it was split by job:
-# tests/planning/reference_plans.py patches ``_assign`` and ``_improve`` here (balanced_placement looks them up
-# in this module) and builds its reference from the others.
+# The private names imported above are this module's from before it was split by job: tests/planning/reference_plans.py
+# patches ``_assign`` and ``_improve`` here (balanced_placement looks them up in this module) and builds its
+# reference from the others.
 
 __all__ = [
     "PLACEMENTS",
@@ -216,6 +215,53 @@ def zigzag_placement(full_len: int, cp_size: int) -> Placement:
                         f"{2 * cp_size}; use a seq_len that is, or another placement")
     chunks = arange(full_len).view(2 * cp_size, -1)
     return Placement("zigzag", torch.cat([chunks[:cp_size], chunks.flip(0)[:cp_size]], dim=1))
+
+
+def rank_work(doc_ids_row: torch.Tensor, placement: Placement, windows: Sequence[int | None] = (None,)
+              ) -> torch.Tensor:
+    """``[P]`` float64 causal pairs each rank's queries attend (the work model of :func:`balanced_placement`).
+
+    Computed on runs (each placement run cut by the documents: closed-form sums in exact integers) when the
+    number of windows is a power of two, where that equals the per-token float sum bit for bit; else per token.
+    """
+    count = len(windows)
+    if count & (count - 1):
+        return _rank_work_tokens(doc_ids_row, placement, windows)
+    row = doc_ids_row.to(torch.int64).reshape(-1)
+    runs = placement.runs
+    ids = row.numpy()
+    full_len = ids.size
+    fresh = np.flatnonzero(ids[1:] != ids[:-1]) + 1 if full_len else np.zeros(0, np.int64)
+    doc_start = np.concatenate([[0], fresh]).astype(np.int64) if full_len else fresh.astype(np.int64)
+    cuts = np.union1d(runs.start, doc_start).astype(np.int64)
+    cuts = cuts[cuts < full_len]
+    ends = np.append(cuts[1:], full_len)
+    real = ids[cuts] != 0 if cuts.size else np.zeros(0, bool)
+    first = doc_start[np.searchsorted(doc_start, cuts, side="right") - 1] if cuts.size else cuts
+    lo, hi = (cuts - first)[real], (ends - first)[real]  # in-document offsets [lo, hi) of each piece
+    owner = runs.rank[np.searchsorted(runs.start, cuts, side="right") - 1][real] if cuts.size else cuts
+    pairs = np.zeros(lo.size, dtype=np.int64)
+    for window in windows:
+        if window is None:
+            pairs += (hi * (hi + 1) - lo * (lo + 1)) // 2
+        else:
+            mid = np.minimum(np.maximum(lo, window), hi)
+            pairs += (mid * (mid + 1) - lo * (lo + 1)) // 2 + (hi - mid) * window
+    total = np.zeros(placement.cp_size, dtype=np.int64)
+    np.add.at(total, owner, pairs)
+    return torch.from_numpy(total.astype(np.float64) / count)
+
+
+def _rank_work_tokens(doc_ids_row: torch.Tensor, placement: Placement, windows: Sequence[int | None] = (None,)
+                      ) -> torch.Tensor:
+    """:func:`rank_work` token by token (any number of windows)."""
+    row = doc_ids_row.to(torch.int64)
+    offset = (arange(row.numel()) - run_starts(row)).to(torch.float64)
+    per_token = torch.zeros_like(offset)
+    for window in windows:
+        per_token += offset + 1 if window is None else torch.clamp(offset + 1, max=window)
+    per_token = torch.where(row != 0, per_token / len(windows), 0.0)
+    return per_token[placement.index].sum(dim=1)
 
 
 def balanced_placement(doc_ids_row: torch.Tensor, cp_size: int, *, tolerance: float = 0.05,
