@@ -161,7 +161,7 @@ def main(argv: list[str] | None = None) -> dict:
                     "ulysses_size %s", len(docs), sum(len(d["input_ids"]) for d in docs), args.seq_len, world,
                     coords.dp_size, coords.cp_size, args.backend, args.kv_exchange, args.ulysses_size)
 
-        model = bd.guard_model(model.to(accelerator.device))
+        model = bd.prepare_model(model.to(accelerator.device), strict=True)
         ref_model = copy.deepcopy(model) if args.check_parity else None
         if args.fsdp2:
             if accelerator.distributed_type.value == "FSDP":

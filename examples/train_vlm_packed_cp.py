@@ -270,7 +270,7 @@ def main(argv: list[str] | None = None) -> dict:
         logger.info("%d documents (%d without images), %d images, %d tokens (%.0f %% image placeholders), seq_len %d, "
                     "world %d = dp %d x cp %d", len(examples), sum("pixel_values" not in e for e in examples), images,
                     all_tokens, 100 * image_tokens / all_tokens, args.seq_len, world, coords.dp_size, coords.cp_size)
-        model = bd.guard_model(model.to(accelerator.device))
+        model = bd.prepare_model(model.to(accelerator.device), strict=True)
         optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
         if world > 1:
             model, optimizer = accelerator.prepare(model, optimizer)

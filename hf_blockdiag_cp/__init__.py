@@ -11,12 +11,13 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from . import config as _config
 from . import training
 from .attention import blockdiag_attention
 from .attention.layer import comm_stats
-from .config import BACKENDS, BlockDiagCPConfig
 from .config import KV_EXCHANGES as KV_EXCHANGES
 from .config import PLACEMENTS as PLACEMENTS
+from .config import BlockDiagCPConfig
 from .context import BlockDiagCPContext
 from .data import PackedDataset, PackedRow, PackingCollator, from_flattened, sliding_windows
 from .errors import (
@@ -33,7 +34,7 @@ from .errors import PlanError as PlanError
 from .integration import ATTN_IMPLEMENTATION, register
 from .integration import blockdiag_cp_attention as blockdiag_cp_attention
 from .model import prepare_model
-from .planning.layout import HeadShape as HeadShape
+from .planning.layout import HeadShape
 from .training import (
     check_chunked_loss,
     check_collator,
@@ -41,12 +42,12 @@ from .training import (
     chunked_causal_lm_loss,
     cp_coordinates,
     dp_dataloader,
-    guard_model,
     init_device_mesh,
     normalize_num_items,
     reduce_loss_for_logging,
     ulysses_groups,
 )
+from .training import guard_model as guard_model
 
 if TYPE_CHECKING:
     from .training import CPSFTTrainer, CPTrainer
@@ -55,8 +56,9 @@ __version__ = "0.1.0"
 
 #: What users call (at most 30 names). Also importable here, for code written against earlier versions, but not
 #: listed: the other exceptions (all in :mod:`hf_blockdiag_cp.errors`, all subclasses of BlockDiagCPError),
-#: ``KV_EXCHANGES`` / ``PLACEMENTS`` (:mod:`.config`), ``HeadShape`` (:mod:`.planning.layout`), and the
-#: registered attention function with its ``register`` (:mod:`.integration`, run on import).
+#: ``KV_EXCHANGES`` / ``PLACEMENTS`` (:mod:`.config`), ``guard_model`` (the alias of ``prepare_model(model,
+#: strict=True)``: model preparation has one name), and the registered attention function with its ``register``
+#: (:mod:`.integration`, run on import).
 __all__ = [
     "ATTN_IMPLEMENTATION",
     "AgreementError",
@@ -68,6 +70,7 @@ __all__ = [
     "CPSFTTrainer",
     "CPTrainer",
     "CollectiveError",
+    "HeadShape",
     "PackedDataset",
     "PackedRow",
     "PackingCollator",
@@ -81,7 +84,6 @@ __all__ = [
     "cp_coordinates",
     "dp_dataloader",
     "from_flattened",
-    "guard_model",
     "init_device_mesh",
     "normalize_num_items",
     "prepare_model",
@@ -93,6 +95,8 @@ register()
 
 
 def __getattr__(name: str) -> Any:
+    if name == "BACKENDS":  # every registered backend, read when asked for (see hf_blockdiag_cp.config)
+        return _config.backend_choices()
     # CPTrainer (and whatever else training/ loads lazily) is imported on first use only.
     if name in training._LAZY:
         return getattr(training, name)

@@ -11,28 +11,40 @@ import datetime
 import os
 from dataclasses import dataclass, field
 
-__all__ = ["ATTN_IMPLEMENTATION", "BACKENDS", "KV_EXCHANGES", "PLACEMENTS", "RECURRENT_BACKENDS", "RECURRENT_LAYOUTS",
-           "BlockDiagCPConfig", "ENV_VARS", "add_backend_name", "backend_choices"]
+__all__ = ["ATTN_IMPLEMENTATION", "BACKENDS", "BUILTIN_BACKENDS", "KV_EXCHANGES", "PLACEMENTS", "RECURRENT_BACKENDS",
+           "RECURRENT_LAYOUTS", "BlockDiagCPConfig", "ENV_VARS", "add_backend_name", "backend_choices"]
 
 #: The name this package registers with transformers (``attn_implementation="blockdiag_cp"``).
 ATTN_IMPLEMENTATION = "blockdiag_cp"
 
 #: The built-in attention kernel backends ("auto" picks per device and dtype); what each can run is declared in
 #: its module's ``CAPABILITIES`` (:mod:`hf_blockdiag_cp.kernels`), which also checks this list.
-BACKENDS: tuple[str, ...] = ("auto", "flash", "te", "torch_varlen", "flex", "sdpa_doc", "sdpa_mask")
+BUILTIN_BACKENDS: tuple[str, ...] = ("auto", "flash", "te", "torch_varlen", "flex", "sdpa_doc", "sdpa_mask")
+#: Every backend name: ``"auto"``, the built-in ones, then the registered ones (:func:`backend_choices`). Declared
+#: only: each read goes through ``__getattr__``, so it lists the backends registered after this import too.
+BACKENDS: tuple[str, ...]
 #: Backends registered beyond the built-in ones (:func:`hf_blockdiag_cp.kernels.register_backend` is its owner).
 _REGISTERED: list[str] = []
 
 
 def add_backend_name(name: str) -> None:
     """Accept ``name`` as a backend in configurations (called by ``kernels.register_backend`` only)."""
-    if name not in BACKENDS and name not in _REGISTERED:
+    if name not in BUILTIN_BACKENDS and name not in _REGISTERED:
         _REGISTERED.append(name)
 
 
 def backend_choices() -> tuple[str, ...]:
-    """Every name ``BlockDiagCPConfig.backend`` accepts: :data:`BACKENDS` and the registered backends."""
-    return BACKENDS + tuple(_REGISTERED)
+    """Every name ``BlockDiagCPConfig.backend`` accepts: ``"auto"`` and every registered backend, in registration
+    order (the built-in ones first); also what ``BACKENDS`` is."""
+    return BUILTIN_BACKENDS + tuple(_REGISTERED)
+
+
+def __getattr__(name: str) -> tuple[str, ...]:
+    # ``BACKENDS`` is read from the registry each time it is asked for, so it names the backends registered after
+    # this module was imported too (``from hf_blockdiag_cp.config import BACKENDS`` reads it once, at that import).
+    if name == "BACKENDS":
+        return backend_choices()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 #: K/V exchange strategies across context-parallel ranks.
 KV_EXCHANGES: tuple[str, ...] = ("auto", "allgather", "halo", "a2a")
 #: Kernels of recurrent token mixers (:mod:`hf_blockdiag_cp.recurrent.backend`): ``"model"`` calls the model's own

@@ -22,6 +22,7 @@ import torch.distributed as dist
 from ._validate import check_int
 from .config import BlockDiagCPConfig
 from .distributed.groups import GroupRef, group_to_ref, ref_to_group
+from .errors import Refusal
 from .planning import PlanError, VarlenPlan, as_doc_ids, build_varlen_plan
 from .planning.blocks import BlockSpans, block_spans
 from .planning.documents import arange, document_runs
@@ -189,8 +190,8 @@ class BlockDiagCPContext:
                        window_plans=window_plans, **common)
         layout = None
         if config.ulysses_size != 1 and blocks is not None:
-            raise NotImplementedError(f"bidirectional blocks (block_ids) are not implemented with the head-parallel "
-                                      f"layout (ulysses_size={config.ulysses_size!r}); use ulysses_size=1")
+            raise Refusal(f"bidirectional blocks (block_ids) are not implemented with the head-parallel "
+                          f"layout (ulysses_size={config.ulysses_size!r}); use ulysses_size=1")
         if config.ulysses_size != 1:
             layout = _plan_layout(ids, cp_size, config, placement, sliding_windows, heads)
             if layout.ulysses_size > 1:

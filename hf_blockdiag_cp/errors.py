@@ -2,6 +2,9 @@
 
 Each also keeps the built-in base it always had (``NotImplementedError``, ``ValueError``, ``RuntimeError``), so
 ``except NotImplementedError`` (a refusal), ``except ValueError`` and ``except RuntimeError`` still catch them.
+Every refusal (the package will not compute something it cannot compute exactly) is a :class:`Refusal`, both a
+``BlockDiagCPError`` and a ``NotImplementedError``; the package raises no bare ``NotImplementedError``
+(``tests/package/test_refusal_root.py`` walks its raises).
 The modules that raise them import them from here (and so still export them under their old paths).
 """
 
@@ -17,6 +20,7 @@ __all__ = [
     "MaskConsumedError",
     "ParameterMismatchError",
     "PlanError",
+    "Refusal",
     "UnsupportedModel",
 ]
 
@@ -25,11 +29,16 @@ class BlockDiagCPError(Exception):
     """Base of every exception hf_blockdiag_cp raises of its own (``except BlockDiagCPError`` catches them all)."""
 
 
+class Refusal(BlockDiagCPError, NotImplementedError):
+    """The package refuses to compute something it cannot compute exactly (a model, a keyword, a layout, a loss);
+    the message names the cause and the fix. The root of every refusal: the more specific ones below subclass it."""
+
+
 class AgreementError(BlockDiagCPError, RuntimeError):
     """CP ranks disagree about the step (different data, plans or topology); raised on every rank alike."""
 
 
-class BackendUnavailable(BlockDiagCPError, NotImplementedError):
+class BackendUnavailable(Refusal):
     """The requested backend cannot compute this call exactly (raised instead of computing something else)."""
 
 
@@ -52,7 +61,7 @@ class ExchangeSizeError(BlockDiagCPError, ValueError):
     """A K/V message does not have the size the plan gives its receiver (raised before it is sent)."""
 
 
-class MaskConsumedError(BlockDiagCPError, NotImplementedError):
+class MaskConsumedError(Refusal):
     """Model code used the attention mask itself (outside the attention function)."""
 
 
@@ -64,6 +73,6 @@ class PlanError(BlockDiagCPError, ValueError):
     """A plan (or the metadata it was built from) is inconsistent; raised on the host, before any kernel."""
 
 
-class UnsupportedModel(BlockDiagCPError, NotImplementedError):
+class UnsupportedModel(Refusal):
     """The model cannot be computed exactly by blockdiag_cp for this batch (raised instead of computing
     something else)."""

@@ -65,6 +65,7 @@ from .attention.ulysses_path import head_parallel_attention
 from .compat import CONFIG_ATTN_PROPERTY
 from .config import ATTN_IMPLEMENTATION, BlockDiagCPConfig
 from .context import BlockDiagCPContext
+from .errors import Refusal
 from .kernels import BackendUnavailable
 from .model.detect import refuse_bypassing_model, uses_blockdiag_cp
 from .model.prepare import check_context_reached, forward_context, mark_attention_call, prepare_model
@@ -124,16 +125,16 @@ def blockdiag_cp_attention(module: torch.nn.Module, query: torch.Tensor, key: to
     refuse_appended_keys(mask, query, key, model_type)  # keys that are neither the local rows nor a cache
     if mask is not None:
         if mask.spec.refusal is not None:
-            raise NotImplementedError(f"{model_type}: {mask.spec.refusal}; blockdiag_cp cannot serve this mask")
+            raise Refusal(f"{model_type}: {mask.spec.refusal}; blockdiag_cp cannot serve this mask")
         if mask.spec.bidirectional or not mask.spec.causal:
-            raise NotImplementedError(f"{model_type} builds a bidirectional (encoder) attention mask for "
-                                      f"{type(module).__name__}; blockdiag_cp implements causal attention only")
+            raise Refusal(f"{model_type} builds a bidirectional (encoder) attention mask for "
+                          f"{type(module).__name__}; blockdiag_cp implements causal attention only")
         # The mask is what transformers' sdpa and eager apply; a layer's own is_causal flag can be stale.
         sliding_window = mask.spec.window
         _check_blocks(module, mask, kwargs["cp_context"], model_type, sliding_window)
     elif not kwargs.get("is_causal", getattr(module, "is_causal", True)):
-        raise NotImplementedError(f"{model_type}: blockdiag_cp implements causal (decoder) attention only "
-                                  f"({type(module).__name__} is not causal)")
+        raise Refusal(f"{model_type}: blockdiag_cp implements causal (decoder) attention only "
+                      f"({type(module).__name__} is not causal)")
     if kwargs.get("output_attentions"):
         warnings.warn("blockdiag_cp does not return attention weights (output_attentions=True is ignored)",
                       stacklevel=2)
@@ -157,29 +158,29 @@ def _check_blocks(module: torch.nn.Module, mask: BlockDiagMask, ctx: Any, model_
         return  # the collator read the rows' token types and found no block (text only): the mask is causal
     if spec.blocks is None:
         if blocks is not None and blocks.count:
-            raise NotImplementedError(
+            raise Refusal(
                 f"{model_type}: the cp_context carries bidirectional blocks (block_ids) but the model's mask for "
                 f"{type(module).__name__} has none (e.g. no token_type_ids were given to the model): pass the "
                 "documents' token_type_ids to the model, or build the context without block_ids")
         _refuse_bidirectional_layer(module, model_type)
         return
     if blocks is None:
-        raise NotImplementedError(
+        raise Refusal(
             f"{model_type} builds bidirectional blocks into its attention mask (token_type_ids: gemma3's image "
             "tokens, PaliGemma's image + prompt prefix); blockdiag_cp serves them only from the step's cp_context: "
             "use PackingCollator with the documents' token_type_ids, or BlockDiagCPContext.build(..., "
             "block_ids=...)")
     if window is not None and window not in ctx.window_plans and blocks.reach > window:
-        raise NotImplementedError(
+        raise Refusal(
             f"{model_type}: {type(module).__name__} has a sliding window of {window} that cuts a bidirectional "
             f"block's keys (a block ends {blocks.reach} tokens after its document start), and the cp_context has no "
             "plan for that window: build it with sliding_windows=hf_blockdiag_cp.sliding_windows(model) "
             "(PackingCollator(sliding_windows=...))")
     if spec.chunk_size is not None:
-        raise NotImplementedError(f"{model_type}: bidirectional blocks together with chunked attention "
-                                  f"(chunk_size={spec.chunk_size}) are not implemented by blockdiag_cp")
+        raise Refusal(f"{model_type}: bidirectional blocks together with chunked attention "
+                      f"(chunk_size={spec.chunk_size}) are not implemented by blockdiag_cp")
     if spec.block_window_exempt and window is not None and blocks.max_len > window:
-        raise NotImplementedError(
+        raise Refusal(
             f"{model_type}: the mask's sliding window ({window}) does not limit a block's keys, and a block of "
             f"{blocks.max_len} tokens is longer than the window; blockdiag_cp limits every key by the window, "
             "which equals the model's mask only for blocks no longer than the window")
@@ -192,7 +193,7 @@ def _refuse_bidirectional_layer(module: torch.nn.Module, model_type: str) -> Non
     if getattr(module, "is_causal", True) or not getattr(getattr(module, "config", None),
                                                          "use_bidirectional_attention", False):
         return
-    raise NotImplementedError(
+    raise Refusal(
         f"{model_type}: {type(module).__name__} has use_bidirectional_attention=True (is_causal=False: e.g. "
         "PaliGemma's bidirectional image + prompt prefix) but its mask has no bidirectional blocks; blockdiag_cp "
         "computes causal attention there, which differs. Pass the documents' token_type_ids (the prefix becomes a "
@@ -284,8 +285,8 @@ def _run_local(call: LayerCall, plan: DevicePlan, config: BlockDiagCPConfig) -> 
 
 def _user_mask(call: LayerCall) -> torch.Tensor:
     if call.sinks is not None:
-        raise NotImplementedError("blockdiag_cp cannot apply attention sinks (s_aux) with a user-supplied "
-                                  "dense mask")
+        raise Refusal("blockdiag_cp cannot apply attention sinks (s_aux) with a user-supplied "
+                      "dense mask")
     return _dense_user_mask(call.query, call.key, call.value, call.attention_mask, call.dropout, call.scale,
                             call.softcap)
 

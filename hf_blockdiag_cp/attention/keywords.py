@@ -21,6 +21,7 @@ import torch
 
 from ..config import BlockDiagCPConfig
 from ..context import BlockDiagCPContext
+from ..errors import Refusal
 from ..planning import (
     VarlenPlan,
     build_varlen_plan,
@@ -66,7 +67,7 @@ def check_keywords(module: torch.nn.Module, model_type: str, kwargs: dict[str, A
         if value is None or name in _IGNORED_KEYWORDS or name in _USED_KEYWORDS:
             continue
         meaning = _KEYWORD_MEANING.get(name, "a keyword blockdiag_cp does not know")
-        raise NotImplementedError(
+        raise Refusal(
             f"{model_type} passes {name}=<{type(value).__name__}> ({meaning}) to its attention function "
             f"({type(module).__name__}); blockdiag_cp does not implement it and refuses rather than ignore it"
             + ("" if name in _KEYWORD_MEANING else
@@ -86,7 +87,7 @@ def refuse_appended_keys(mask: BlockDiagMask | None, query: torch.Tensor, key: t
         return
     local_len, key_len = query.shape[2], key.shape[2]
     if mask.q_length == mask.kv_length == local_len and key_len != local_len:
-        raise NotImplementedError(
+        raise Refusal(
             f"{model_type} appends keys of its own to the attention ({key_len} keys for {local_len} queries, with no "
             "KV cache in this forward): blockdiag_cp cannot place them in the documents of a packed row or a CP "
             "shard, and refuses rather than take them for a cache")
@@ -149,8 +150,8 @@ def plan_from_kwargs(query: torch.Tensor, key: torch.Tensor, mask: BlockDiagMask
         doc_ids, plan = _plan_from_cu_seqlens(cu_q, cu_k, kwargs, batch, local_len, key_len, config)
         if doc_ids is None:
             if spec is not None and spec.chunk_size is not None:
-                raise NotImplementedError(f"{mask.model_type}: chunked attention (attention_chunk_size="
-                                          f"{spec.chunk_size}) with cu_seq_lens_q != cu_seq_lens_k is not implemented")
+                raise Refusal(f"{mask.model_type}: chunked attention (attention_chunk_size="
+                              f"{spec.chunk_size}) with cu_seq_lens_q != cu_seq_lens_k is not implemented")
             found = DevicePlan(plan.to(query.device))
             if mask is not None:
                 mask.plans[cache_key] = found

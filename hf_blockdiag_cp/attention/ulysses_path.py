@@ -19,6 +19,7 @@ import torch
 
 from ..context import BlockDiagCPContext
 from ..distributed.ulysses import HeadA2A, heads_to_tokens, tokens_to_heads
+from ..errors import Refusal
 from ..runtime import device_plan, step_runtime
 from .core import flat_rows, kernel_spec
 from .layer import check_local_rows, exchange_fused_kv, kv_exchange, require_live_group, run_kernel, step_backend
@@ -54,14 +55,14 @@ def head_parallel_attention(ctx: BlockDiagCPContext, query: torch.Tensor, key: t
         ``[L, Hq, Dv]`` (padding rows are zeros), like :func:`~.cp.sequence_attention`.
     """
     if chunk_size is not None:
-        raise NotImplementedError("chunked attention (attention_chunk_size) is not implemented with ulysses_size > 1; "
-                                  "use ulysses_size=1 for this model")
+        raise Refusal("chunked attention (attention_chunk_size) is not implemented with ulysses_size > 1; "
+                      "use ulysses_size=1 for this model")
     check_local_rows(query, key, value)
     split = ctx.layout.heads
     if query.shape[1] != split.num_q_heads or key.shape[1] != split.num_kv_heads:
         hq, hkv, dim = query.shape[1], key.shape[1], query.shape[-1]
         # A refusal (the model's structure), raised by every rank at the same layer before its all-to-all.
-        raise NotImplementedError(
+        raise Refusal(
             f"the step's head-parallel layout was planned for {split.num_q_heads} query and {split.num_kv_heads} K/V "
             f"heads (the collator's heads=, or num_attention_heads / num_key_value_heads of its model_config), but "
             f"this attention layer has {hq} and {hkv}: the model's layers do not all use the head counts its config "

@@ -1,4 +1,5 @@
-"""``python -m hf_blockdiag_cp.conformance``: the same command line as ``python -m hf_blockdiag_cp.check``."""
+"""``python -m hf_blockdiag_cp.conformance``: the conformance check's command (the README's; also
+``hf-blockdiag-cp-check``, and ``python -m hf_blockdiag_cp.check``, its earlier name)."""
 
 from .cli import main
 

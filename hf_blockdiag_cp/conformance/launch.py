@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from ..errors import Refusal
 from .result import describe_error, is_refusal
 from .runs import build_model, collated_batch, forward_logits
 
@@ -40,8 +41,9 @@ def spawn_ranks(target: Callable[..., Any], args: tuple[Any, ...], world: int) -
     """``target(rank, world, *args)`` on ``world`` spawned gloo ranks, the default process group created before it
     runs and destroyed after it: the ranks' return values, in rank order (send numpy arrays or plain data, not
     tensors: a tensor goes through shared memory that the rank frees on exit). ``target`` is a module-level function.
-    A refusal on any rank is re-raised as ``NotImplementedError``, any other error as ``RuntimeError`` (both with the
-    rank's message); ranks that do not all finish within :data:`CP_TIMEOUT_S` raise ``TimeoutError``.
+    A refusal on any rank is re-raised as :class:`~hf_blockdiag_cp.errors.Refusal` (a ``NotImplementedError``), any
+    other error as ``RuntimeError`` (both with the rank's message); ranks that do not all finish within
+    :data:`CP_TIMEOUT_S` raise ``TimeoutError``.
 
     A rank that fails to create the process group has the others stopped at once (none waits out
     :data:`CP_TIMEOUT_S`), and the whole set starts again on a fresh store, up to :data:`STARTUP_ATTEMPTS` times."""
@@ -57,7 +59,7 @@ def spawn_ranks(target: Callable[..., Any], args: tuple[Any, ...], world: int) -
     errors = [payload for payload in outcome.values() if payload[0] == "error"]
     if errors:
         kind, message = errors[0][1], errors[0][2]
-        raise (NotImplementedError if kind == "refused" else RuntimeError)(message)
+        raise (Refusal if kind == "refused" else RuntimeError)(message)
     return [outcome[rank][1] for rank in range(world)]
 
 

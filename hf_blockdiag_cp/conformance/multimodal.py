@@ -38,6 +38,7 @@ from typing import Any
 import torch
 from transformers import AutoConfig, AutoModelForImageTextToText, PretrainedConfig
 
+from ..errors import Refusal
 from .configs import shrink_overrides
 
 __all__ = ["IDS", "MEDIA_KEYS", "VLM_TYPES", "AloneResult", "MediaLayout", "build_vlm", "compare", "concat_media",
@@ -134,7 +135,7 @@ def tiny_vlm_config(model_type: str, *, seed: int = 0) -> PretrainedConfig:
     covering every layer type, 4 heads / 2 kv heads, vocabulary 256 with the ids of :data:`IDS`; vision: 1-2 layers,
     hidden 32, images of 4-16 placeholder tokens). ``seed`` is recorded for :func:`build_vlm`."""
     if model_type not in VLM_TYPES:
-        raise NotImplementedError(f"model_type={model_type!r} is not a covered VLM type; covered: {VLM_TYPES}")
+        raise Refusal(f"model_type={model_type!r} is not a covered VLM type; covered: {VLM_TYPES}")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         base = AutoConfig.for_model(model_type)

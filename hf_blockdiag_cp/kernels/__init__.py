@@ -12,7 +12,7 @@ import functools
 import warnings
 from types import ModuleType
 
-from ..config import BACKENDS, add_backend_name
+from ..config import BUILTIN_BACKENDS, add_backend_name
 from . import flash, flex, sdpa_doc, sdpa_mask, te, torch_varlen
 from .base import BackendUnavailable, Capabilities, KernelCall, KernelSpec
 
@@ -68,7 +68,7 @@ def auto_order(device_type: str) -> tuple[tuple[str, ...], tuple[str, ...]]:
 
 for _module in (flash, te, torch_varlen, flex, sdpa_doc, sdpa_mask):
     register_backend(_module)
-assert set(_BACKENDS) == set(BACKENDS) - {"auto"}, "config.BACKENDS names the built-in backends"
+assert set(_BACKENDS) == set(BUILTIN_BACKENDS) - {"auto"}, "config.BUILTIN_BACKENDS names the built-in backends"
 
 
 def get_backend(name: str) -> ModuleType:

@@ -18,6 +18,8 @@ from typing import Any
 
 import torch
 
+from ..errors import Refusal
+
 __all__ = ["ROW_POOLING_SUFFIXES", "check_logits_to_keep", "row_pooling_refusal"]
 
 #: Task suffixes of transformers model classes whose head pools a whole row into one output.
@@ -50,7 +52,7 @@ def check_logits_to_keep(model_type: str, named: dict[str, Any]) -> None:
         return
     if isinstance(keep, torch.Tensor) and keep.numel() == 0 or isinstance(keep, int) and keep == 0:
         return
-    raise NotImplementedError(
+    raise Refusal(
         f"{model_type} was given logits_to_keep={keep if isinstance(keep, int) else 'an index tensor'} with a "
         f"cp_context (CP size {ctx.cp_size}): each rank would keep the last positions (or these indices) of its own "
         "shard, not of the row. Run the forward with logits_to_keep=0 and pick the positions from the row's logits "

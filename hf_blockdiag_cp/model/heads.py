@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..errors import UnsupportedModel
+from ..errors import Refusal, UnsupportedModel
 from ..planning.layout import HeadShape
 
 __all__ = ["config_int", "config_values", "head_shape", "text_config"]
@@ -51,7 +51,7 @@ def head_shape(config: object) -> HeadShape:
     def one(name: str) -> Any:
         values = set(config_values(config, name))
         if len(values) > 1:
-            raise NotImplementedError(
+            raise Refusal(
                 f"{type(config).__name__} sets {name} per layer ({sorted(values, key=str)}): a head-parallel "
                 "layout plans one head shape for every layer; use ulysses_size=1 for this model")
         return values.pop()

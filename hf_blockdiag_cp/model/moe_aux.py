@@ -37,6 +37,7 @@ from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_fun
 
 from ..context import BlockDiagCPContext
 from ..distributed.exchange import all_gather_single, check_usable, wait
+from ..errors import Refusal
 
 __all__ = ["exact_router_aux_loss", "router_aux_refusal"]
 
@@ -120,13 +121,13 @@ def exact_router_aux_loss(model: torch.nn.Module, named: dict[str, Any], output:
     aux = getattr(output, "aux_loss", None) if not isinstance(output, tuple) else None
     if aux is None:
         if isinstance(output, tuple) and getattr(getattr(model, "config", None), "output_router_logits", False):
-            raise NotImplementedError(
+            raise Refusal(
                 f"{type(model).__name__} with output_router_logits=True and return_dict=False under CP: blockdiag_cp "
                 "cannot make the router auxiliary loss exact on a tuple output; call the model with return_dict=True")
         return
     refusal = router_aux_refusal(model)
     if refusal is not None:
-        raise NotImplementedError(
+        raise Refusal(
             f"blockdiag_cp cannot compute the MoE router auxiliary loss exactly under CP: {refusal}; each CP rank "
             "would compute it on its own shard's statistics. Set output_router_logits=False (or router_aux_loss_coef "
             "to 0 and compute the loss yourself), or train at CP size 1")
@@ -134,7 +135,7 @@ def exact_router_aux_loss(model: torch.nn.Module, named: dict[str, Any], output:
     experts = int(model.num_experts)
     batch, local_len = ctx.batch_size, ctx.local_len
     if not logits or any(not isinstance(t, torch.Tensor) or t.numel() != batch * local_len * experts for t in logits):
-        raise NotImplementedError(
+        raise Refusal(
             f"{type(model).__name__}'s router logits are not one [B * L, {experts}] tensor per layer for this shard "
             f"(B={batch}, L={local_len}); blockdiag_cp cannot gather them for the router auxiliary loss")
     check_usable(ctx.group, _WHAT, ctx.cp_rank)

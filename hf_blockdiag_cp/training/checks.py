@@ -22,7 +22,9 @@ _ACCELERATE_SHARDING = (("cp_size", "parallelism_config_cp_size", "PARALLELISM_C
 
 
 def guard_model(model: torch.nn.Module) -> torch.nn.Module:
-    """Prepare ``model`` with the strict checks on (idempotent); returns ``model``.
+    """``prepare_model(model, strict=True)``: the alias under the name earlier versions documented (model preparation
+    has one name, :func:`~hf_blockdiag_cp.model.prepare_model`); prepares ``model`` with the strict checks on
+    (idempotent) and returns ``model``.
 
     Its one pre-forward hook then runs :func:`~hf_blockdiag_cp.model.check_batch` (a ``cp_context`` on a
     model whose attention would ignore it, CP labels without ``shift_labels``) and supplies a batch's

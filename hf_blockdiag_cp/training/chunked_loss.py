@@ -29,6 +29,7 @@ from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
 from torch.utils.checkpoint import checkpoint
 from transformers.loss.loss_utils import ForCausalLMLoss
 
+from ..errors import Refusal
 from ..model.batch import check_cp_loss_count
 
 __all__ = ["DEFAULT_CHUNK_SIZE", "HEADS", "check_chunked_loss", "chunked_causal_lm_loss"]
@@ -81,15 +82,15 @@ def _logit_transform(base: torch.nn.Module) -> Callable[[torch.Tensor], torch.Te
     name = type(base).__name__
     kind = HEADS.get(name)
     if kind is None or type(base) is not getattr(transformers, name, None):  # a subclass may change the head
-        raise NotImplementedError(f"chunked_causal_lm_loss does not know the head of {name}: it is exact only for "
-                                  f"{', '.join(sorted(HEADS))}; use the model's own loss")
+        raise Refusal(f"chunked_causal_lm_loss does not know the head of {name}: it is exact only for "
+                      f"{', '.join(sorted(HEADS))}; use the model's own loss")
     if base.loss_function is not ForCausalLMLoss:
-        raise NotImplementedError(f"{name}.loss_function is {getattr(base.loss_function, '__name__', '?')}, not "
-                                  "transformers' ForCausalLMLoss: the chunked loss would differ; use the model's own")
+        raise Refusal(f"{name}.loss_function is {getattr(base.loss_function, '__name__', '?')}, not "
+                      "transformers' ForCausalLMLoss: the chunked loss would differ; use the model's own")
     head = getattr(base, "lm_head", None)
     if not _accepted_linear(head):
-        raise NotImplementedError(f"{name}.lm_head is a {type(head).__name__}: the chunked loss takes an nn.Linear "
-                                  "or a PEFT LoRA Linear around one; use the model's own loss")
+        raise Refusal(f"{name}.lm_head is a {type(head).__name__}: the chunked loss takes an nn.Linear "
+                      "or a PEFT LoRA Linear around one; use the model's own loss")
     if kind == "identity":
         return _identity
     if kind == "final_logit_softcapping":
@@ -123,12 +124,12 @@ def check_chunked_loss(model: torch.nn.Module) -> None:
     for module in (model, base):
         # FSDP re-shards the parameters when the root forward returns: the head cannot run after it.
         if isinstance(module, (FSDPModule, FullyShardedDataParallel)):
-            raise NotImplementedError(f"{type(base).__name__} is sharded with FSDP: its head's parameters are "
-                                      "released after the forward; use the model's own loss")
+            raise Refusal(f"{type(base).__name__} is sharded with FSDP: its head's parameters are "
+                          "released after the forward; use the model's own loss")
     if getattr(getattr(base, "config", None), "output_router_logits", False):
-        raise NotImplementedError(f"{type(base).__name__} adds a MoE router auxiliary loss to its own loss "
-                                  "(output_router_logits=True), which the chunked loss would drop; use the model's "
-                                  "own loss")
+        raise Refusal(f"{type(base).__name__} adds a MoE router auxiliary loss to its own loss "
+                      "(output_router_logits=True), which the chunked loss would drop; use the model's "
+                      "own loss")
     _logit_transform(base)
 
 
@@ -198,8 +199,8 @@ def chunked_causal_lm_loss(model: torch.nn.Module, batch: Mapping[str, Any], *,
     finally:
         handle.remove()
     if len(captured) != 1:
-        raise NotImplementedError(f"{type(base).__name__}'s body ran {len(captured)} times in one forward; the "
-                                  "chunked loss expects once")
+        raise Refusal(f"{type(base).__name__}'s body ran {len(captured)} times in one forward; the "
+                      "chunked loss expects once")
     hidden = captured[0]
     if hidden.shape[:-1] != targets.shape:
         raise ValueError(f"the targets have shape {tuple(targets.shape)} but the model's hidden states "

@@ -17,6 +17,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 from ..context import BlockDiagCPContext
+from ..errors import Refusal
 from .mesh import cp_coordinates
 
 __all__ = ["gather_over_dp", "gather_row_order", "mean_over_cp", "preprocess_local"]
@@ -31,14 +32,14 @@ def _map(value: Nested, fn: Callable[[torch.Tensor], torch.Tensor]) -> Nested:
     if isinstance(value, (tuple, list)):
         return type(value)(_map(v, fn) for v in value)
     if not isinstance(value, torch.Tensor):
-        raise NotImplementedError(f"a prediction output of type {type(value).__name__} cannot be gathered into "
-                                  "row order under CP (tensors only)")
+        raise Refusal(f"a prediction output of type {type(value).__name__} cannot be gathered into "
+                      "row order under CP (tensors only)")
     return fn(value)
 
 
 def _check_local(value: torch.Tensor, ctx: BlockDiagCPContext, what: str) -> None:
     if value.dim() < 2 or tuple(value.shape[:2]) != (ctx.batch_size, ctx.local_index.numel()):
-        raise NotImplementedError(
+        raise Refusal(
             f"{what} has shape {tuple(value.shape)} but under CP only per-position outputs [B={ctx.batch_size}, "
             f"L={ctx.local_index.numel()}, ...] can be put back in row order (a per-position "
             "preprocess_logits_for_metrics such as argmax is fine; one that shifts, drops or pools positions is not)")

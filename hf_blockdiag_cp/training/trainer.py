@@ -30,8 +30,9 @@ from ..compat import accelerate_prepared, cache_eval_dataloader, check_trainer_i
 from ..config import BlockDiagCPConfig
 from ..context import BlockDiagCPContext
 from ..data import PackedDataset, PackingCollator
-from ..model import require_blockdiag_cp
-from .checks import check_collator, check_no_accelerate_cp, guard_model
+from ..errors import Refusal
+from ..model import prepare_model, require_blockdiag_cp
+from .checks import check_collator, check_no_accelerate_cp
 from .chunked_loss import DEFAULT_CHUNK_SIZE, check_chunked_loss, chunked_causal_lm_loss
 from .consistency import check_parameters_consistent
 from .data import shard_loader
@@ -143,7 +144,7 @@ class CPTrainer(Trainer):
                 self.add_callback(ParameterConsistencyCallback(mesh, self.parameter_check_every))
         if mesh is None and self.args.world_size > 1:
             self._collate_on_every_process()
-        guard_model(self.model)
+        prepare_model(self.model, strict=True)
         if self.chunked_loss and self.model is not None:
             self._chunked_loss_refusal(self.model, raise_=True)
 
@@ -282,7 +283,7 @@ class CPTrainer(Trainer):
             except NotImplementedError as err:
                 reason = str(err)
         if reason is not None and raise_:
-            raise NotImplementedError(f"chunked_loss=True: {reason}; pass chunked_loss=None or False")
+            raise Refusal(f"chunked_loss=True: {reason}; pass chunked_loss=None or False")
         return reason
 
     def compute_loss(self, model: torch.nn.Module, inputs: dict[str, Any], return_outputs: bool = False,
@@ -406,7 +407,7 @@ class CPTrainer(Trainer):
 
     def call_model_init(self, trial: Any = None) -> torch.nn.Module:
         """Models built by ``model_init`` get the same fail-fast guard as the one given to ``__init__``."""
-        return guard_model(super().call_model_init(trial))
+        return prepare_model(super().call_model_init(trial), strict=True)
 
 
 class ParameterConsistencyCallback(TrainerCallback):

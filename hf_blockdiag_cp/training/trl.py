@@ -32,6 +32,7 @@ from torch.utils.data import IterableDataset as TorchIterableDataset
 from ..compat import check_sft_trainer_internals
 from ..config import ATTN_IMPLEMENTATION, BlockDiagCPConfig
 from ..data import PackedDataset, PackedRow, PackingCollator
+from ..errors import Refusal
 from ..model import require_blockdiag_cp
 from .mesh import cp_coordinates, ulysses_groups
 from .trainer import CPTrainer
@@ -179,8 +180,8 @@ class CPSFTTrainer(CPTrainer, SFTTrainer):
         """Install the CP collator and the packed rows, then run :class:`CPTrainer`'s checks."""
         args, mesh = self.args, self.mesh
         if self._is_vision_dataset:
-            raise NotImplementedError("CPSFTTrainer does not support vision datasets: TRL prepares them in its own "
-                                      "collator at every step, so they cannot be packed into rows beforehand")
+            raise Refusal("CPSFTTrainer does not support vision datasets: TRL prepares them in its own "
+                          "collator at every step, so they cannot be packed into rows beforehand")
         collator = self._cp_collator
         if collator is None:
             config = self._cp_config or BlockDiagCPConfig()

@@ -74,3 +74,10 @@ def test_a_registered_backends_availability_comes_from_its_capabilities(register
 def test_a_module_without_capabilities_is_refused():
     with pytest.raises(TypeError, match="CAPABILITIES"):
         register_backend(types.ModuleType("bare"))
+
+
+def test_backends_names_every_registered_backend(registered):
+    import hf_blockdiag_cp as bd
+
+    assert bd.BACKENDS == config_module.BACKENDS == ("auto", *kernels.backend_names())
+    assert NAME in bd.BACKENDS and bd.BACKENDS[:len(config_module.BUILTIN_BACKENDS)] == config_module.BUILTIN_BACKENDS

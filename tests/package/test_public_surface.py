@@ -25,6 +25,7 @@ def test_all_is_short_and_importable():
 def test_every_exception_has_one_base_and_keeps_its_builtin_base():
     builtin = {"PlanError": ValueError, "ExchangeSizeError": ValueError, "UnsupportedModel": NotImplementedError,
                "BackendUnavailable": NotImplementedError, "MaskConsumedError": NotImplementedError,
+               "Refusal": NotImplementedError,
                "AgreementError": RuntimeError, "CollectiveError": RuntimeError, "CPKernelError": RuntimeError,
                "ParameterMismatchError": RuntimeError}
     for name in errors.__all__:
@@ -47,3 +48,27 @@ def test_exception_classes_are_defined_only_in_errors_py():
                     for b in node.bases):
                 found.append(f"{path.relative_to(PACKAGE)}:{node.name}")
     assert found == [], "define package exceptions in hf_blockdiag_cp/errors.py under BlockDiagCPError"
+
+
+def test_head_shape_is_exported_and_model_preparation_has_one_name():
+    import torch
+
+    from hf_blockdiag_cp.model.prepare import PREPARATION_ATTR
+
+    assert "HeadShape" in bd.__all__  # error messages tell users to pass heads=HeadShape(...)
+    assert "prepare_model" in bd.__all__ and "guard_model" not in bd.__all__
+    # guard_model stays importable: the alias of prepare_model(model, strict=True), nothing more.
+    strict, plain, guarded = torch.nn.Linear(2, 2), torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)
+    assert bd.prepare_model(strict, strict=True) is strict and bd.guard_model(guarded) is guarded
+    bd.prepare_model(plain)
+    assert guarded.__dict__[PREPARATION_ATTR].strict and strict.__dict__[PREPARATION_ATTR].strict
+    assert not plain.__dict__[PREPARATION_ATTR].strict
+
+
+def test_readme_runs_the_check_through_its_module():
+    readme = (PACKAGE.parent / "README.md").read_text()
+    assert "python -m hf_blockdiag_cp.conformance MODEL" in readme
+    assert (PACKAGE / "conformance" / "__main__.py").is_file()
+    # check.py is only the earlier name: an entry point that calls the conformance command line, nothing else.
+    shim = ast.parse((PACKAGE / "check.py").read_text())
+    assert [type(node).__name__ for node in shim.body] == ["Expr", "If"], "check.py holds no code of its own"

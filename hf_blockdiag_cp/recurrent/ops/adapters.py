@@ -25,6 +25,7 @@ import math
 import torch
 import torch.nn.functional as F
 
+from ...errors import Refusal
 from . import conv as _conv
 from ._layout import seq_lens_of
 
@@ -189,7 +190,7 @@ def ms_selective_scan(u, delta, A, B, C, D=None, z=None, delta_bias=None, delta_
     per sequence; the final state carries no gradient, an initial state is refused)."""
     reason = selective_scan_unavailable_reason(u, initial_state=initial_state)
     if initial_state is not None:
-        raise NotImplementedError(reason)
+        raise Refusal(reason)
     from mamba_ssm.ops.selective_scan_interface import selective_scan_fn
     batch, length, channels = u.shape
     lens = seq_lens_of(cu_seqlens, seq_lens_host, batch, length)
@@ -238,4 +239,4 @@ def library_unavailable_reason(op: str, x: torch.Tensor, *, weight: torch.Tensor
     if op == "selective_scan":
         return selective_scan_unavailable_reason(x, initial_state=initial_state,
                                                  final_state_needs_grad=final_state_needs_grad)
-    raise NotImplementedError(f"no recurrent op {op!r}; known: {sorted(LIBRARY_OPS)}")
+    raise Refusal(f"no recurrent op {op!r}; known: {sorted(LIBRARY_OPS)}")

@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from ...errors import Refusal
 from ._layout import compute_dtype, seq_lens_of
 
 ACTIVATIONS = (None, "silu", "swish")
@@ -20,7 +21,7 @@ def _activate(y: torch.Tensor, activation: str | None) -> torch.Tensor:
         return y
     if activation in ("silu", "swish"):
         return F.silu(y)
-    raise NotImplementedError(f"causal_conv1d activation={activation!r}: supported are {ACTIVATIONS}")
+    raise Refusal(f"causal_conv1d activation={activation!r}: supported are {ACTIVATIONS}")
 
 
 def _boundary_index(seq_lens: list[int], width: int,
@@ -81,7 +82,7 @@ def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     if weight.shape != (channels, width):
         raise ValueError(f"weight must be [C={channels}, K], got {tuple(weight.shape)}")
     if activation not in ACTIVATIONS:
-        raise NotImplementedError(f"causal_conv1d activation={activation!r}: supported are {ACTIVATIONS}")
+        raise Refusal(f"causal_conv1d activation={activation!r}: supported are {ACTIVATIONS}")
     lens = seq_lens_of(cu_seqlens, seq_lens_host, batch, length)
     dtype = compute_dtype(x, weight, initial_state)
     x_TC = x.reshape(batch * length, channels).to(dtype)
