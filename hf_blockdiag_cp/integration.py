@@ -116,12 +116,12 @@ def blockdiag_cp_attention(module: torch.nn.Module, query: torch.Tensor, key: to
     kwargs["cp_context"] = forward_context(module, kwargs.get("cp_context"))
     check_context_reached(module, kwargs["cp_context"])
     if isinstance(attention_mask, IndexerMask):
-        raise NotImplementedError(f"{model_type}: {type(module).__name__} passed its indexer's mask "
+        raise Refusal(f"{model_type}: {type(module).__name__} passed its indexer's mask "
                                   "(attention_mask[:, 0]) to attention; blockdiag_cp cannot serve it")
     if kwargs.get("indices") is not None:
         refusal = served_indices_refusal(module)
         if refusal is not None:
-            raise NotImplementedError(f"{model_type}: {refusal}; blockdiag_cp refuses rather than ignore them")
+            raise Refusal(f"{model_type}: {refusal}; blockdiag_cp refuses rather than ignore them")
     refuse_appended_keys(mask, query, key, model_type)  # keys that are neither the local rows nor a cache
     if mask is not None:
         if mask.spec.refusal is not None:
@@ -248,7 +248,7 @@ def _strategy(call: LayerCall) -> str:
     sparse = call.kwargs.get("indices") is not None
     if isinstance(call.attention_mask, torch.Tensor):
         if sparse:
-            raise NotImplementedError("blockdiag_cp cannot apply sparse indexer indices together with a "
+            raise Refusal("blockdiag_cp cannot apply sparse indexer indices together with a "
                                       "user-supplied dense attention_mask")
         return "user_mask"
     ctx = call.ctx
@@ -261,7 +261,7 @@ def _strategy(call: LayerCall) -> str:
         raise ValueError("cp_context cannot be combined with a KV cache; pass use_cache=False when training")
     ctx.check_local(call.query.shape[0], call.query.shape[2])
     if sparse and ctx.cp_size > 1:
-        raise NotImplementedError(
+        raise Refusal(
             f"sparse indexer attention (indices=) under context parallelism (CP size {ctx.cp_size}) is not "
             "implemented by blockdiag_cp: the selected keys of a document split over ranks (the MLA latent and rope "
             "key) would have to be exchanged; run it with CP size 1")
@@ -317,7 +317,7 @@ def _sparse(call: LayerCall) -> torch.Tensor:
     for what, value in (("a sliding window", call.window), ("softcap", call.softcap), ("attention sinks", call.sinks),
                         ("chunked attention", call.chunk_size)):
         if value is not None:
-            raise NotImplementedError(f"blockdiag_cp's sparse indexer attention does not implement {what}")
+            raise Refusal(f"blockdiag_cp's sparse indexer attention does not implement {what}")
     if call.ctx is not None:
         plan, config = device_plan(call.ctx, call.query.device, None), call.ctx.config
     else:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import torch
 
+from ..errors import Refusal
 from ..planning import VarlenPlan
 
 __all__ = ["query_bounds", "sparse_attention"]
@@ -26,7 +27,7 @@ def query_bounds(plan: VarlenPlan, device: torch.device) -> tuple[torch.Tensor, 
     hi_N = torch.zeros(rows, dtype=torch.int64)
     for seg in plan.segments:
         if not seg.causal:
-            raise NotImplementedError("sparse indexer attention with bidirectional blocks is not implemented")
+            raise Refusal("sparse indexer attention with bidirectional blocks is not implemented")
         lo_N[seg.q_start:seg.q_start + seg.q_len] = seg.k_start
         hi_N[seg.q_start:seg.q_start + seg.q_len] = seg.k_start + seg.prefix + torch.arange(seg.q_len)
     return lo_N.to(device), hi_N.to(device)

@@ -29,7 +29,7 @@ import torch
 
 from ..attention.mask import IndexerMask
 from ..compat import SPARSE_ATTENTIONS, SPARSE_INDEXER_ATTRS, SPARSE_INDEXER_PARAMS, SPARSE_INDEXERS, indexer_rope
-from ..errors import UnsupportedModel
+from ..errors import Refusal, UnsupportedModel
 from .topk import document_topk
 
 __all__ = ["INDEXERS", "install_indexers", "is_served_indexer", "served_indices_refusal", "uninstall_indexers"]
@@ -117,7 +117,7 @@ def _select(self: torch.nn.Module, hidden_states: torch.Tensor, q_resid: torch.T
     model_type = attention_mask.mask.model_type
     runs = _held_runs(self.__dict__.get(_PROBE))
     if runs is not None and runs.cp_size > 1:
-        raise NotImplementedError(
+        raise Refusal(
             f"{model_type}: the sparse indexer ({name}) under context parallelism (CP size {runs.cp_size}) is not "
             "implemented by blockdiag_cp: the indexer keys and the MLA latent of a document split over ranks would "
             "have to be exchanged (and the selection made over the whole document); run it with CP size 1")
