@@ -23,7 +23,8 @@ __all__ = ["CONFIG_ATTN_PROPERTY", "CPU_FLASH_ATTENTION", "CPU_FLASH_ATTENTION_B
            "accelerate_dispatching_processes", "accelerate_prepared", "backend_options", "backend_timeouts",
            "cache_eval_dataloader", "can_set_attn_implementation", "check_sft_trainer_internals",
            "check_trainer_internals", "config_attn_implementation", "encoder_output_is_sequence",
-           "forget_accelerate_prepared", "forward_hooks", "in_autograd_backward", "model_from_config",
+           "forget_accelerate_prepared", "forward_hooks", "forwards_loss_kwargs", "in_autograd_backward",
+           "model_from_config",
            "resolve_process_group", "rope_index_function", "set_config_attn_implementation", "set_group_timeout",
            "stock_attn_implementation"]
 
@@ -74,6 +75,24 @@ def encoder_output_is_sequence(model: Any) -> bool:
 #: Per model class: does its forward concatenate ``pooler_output`` (``None``: it does not read it). This module's
 #: one cache (classes are few and live as long as the process).
 _SEQUENCE_FORMAT: dict[type, bool | None] = {}
+
+
+def forwards_loss_kwargs(model: Any) -> bool:
+    """Whether ``model``'s forward passes its ``**kwargs`` to ``self.loss_function`` (read from its source): then the
+    Trainer's ``num_items_in_batch`` reaches the loss whatever the class's ``accepts_loss_kwargs`` says."""
+    try:
+        source = inspect.getsource(type(model).forward)
+    except (OSError, TypeError):
+        return False
+    at = source.find("self.loss_function(")
+    if at < 0:
+        return False
+    depth, end = 0, at + len("self.loss_function")
+    for end in range(end, len(source)):  # the call's argument list, to its closing parenthesis
+        depth += {"(": 1, ")": -1}.get(source[end], 0)
+        if depth == 0:
+            break
+    return "**kwargs" in source[at:end]
 
 
 class _RopeIndex:

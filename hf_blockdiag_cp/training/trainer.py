@@ -26,7 +26,13 @@ from torch.utils.data import DataLoader, Dataset, IterableDataset
 from transformers import Trainer, TrainerCallback, TrainingArguments
 from transformers.utils import is_datasets_available
 
-from ..compat import accelerate_prepared, cache_eval_dataloader, check_trainer_internals, forget_accelerate_prepared
+from ..compat import (
+    accelerate_prepared,
+    cache_eval_dataloader,
+    check_trainer_internals,
+    forget_accelerate_prepared,
+    forwards_loss_kwargs,
+)
 from ..config import BlockDiagCPConfig
 from ..context import BlockDiagCPContext
 from ..data import PackedDataset, PackingCollator
@@ -168,6 +174,10 @@ class CPTrainer(Trainer):
             raise ValueError("average_tokens_across_devices=False: under CP each rank would divide its shard's loss "
                              "by its own target count; set average_tokens_across_devices=True (the default) for the "
                              "exact token mean")
+        if not self.model_accepts_loss_kwargs and forwards_loss_kwargs(self.accelerator.unwrap_model(self.model)):
+            # Vision-language models (Qwen2-VL family, gemma3, ...) set accepts_loss_kwargs = False although their
+            # forward hands **kwargs to self.loss_function: the global num_items_in_batch does reach their loss.
+            self.model_accepts_loss_kwargs = True
         if not self.model_accepts_loss_kwargs:
             raise ValueError(f"{type(self.model).__name__} does not accept loss kwargs (accepts_loss_kwargs=False): "
                              "the Trainer cannot pass the global num_items_in_batch, so the CP loss would be off by "

@@ -388,3 +388,14 @@ def test_sparse_indexers_keep_their_signature_attributes_and_rope(class_name):
     cos, sin = torch.randn(1, 3, 8), torch.randn(1, 3, 8)
     q_rot, k_rot = compat.indexer_rope(indexer)(q, k, cos, sin, unsqueeze_dim=2)
     assert q_rot.shape == q.shape and k_rot.shape == k.shape
+
+
+@pytest.mark.parametrize("model_type,expected", [("qwen2_5_vl", True), ("gemma3", True), ("llava", True)])
+def test_vlm_forwards_hand_their_kwargs_to_the_loss(model_type, expected):
+    """CPTrainer trusts the source over ``accepts_loss_kwargs = False`` (set by the Qwen VL family and gemma3 although
+    their forward passes **kwargs to self.loss_function)."""
+    from hf_blockdiag_cp.conformance.multimodal import build_vlm, tiny_vlm_config
+
+    model = build_vlm(tiny_vlm_config(model_type))
+    assert compat.forwards_loss_kwargs(model) is expected
+    assert not compat.forwards_loss_kwargs(torch.nn.Linear(2, 2))
