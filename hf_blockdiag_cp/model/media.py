@@ -88,11 +88,15 @@ def encode_and_exchange(model: torch.nn.Module, kwargs: dict[str, Any]) -> dict[
             rows += [_rows(level, width) for level in (getattr(out, "deepstack_features", None) or ())]
             encoded.append(torch.cat(rows, dim=1))
     fused_width = width * (1 + levels)
+    # One dtype on every rank (the forward agreement checked autocast and the parameters' dtype alike): under autocast
+    # the autocast dtype, else the parameters'. An encoder's own output dtype could differ from a rank's that encodes
+    # nothing, and an all-to-all between buffers of two dtypes would misread the bytes.
+    device_type = param.device.type
+    dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else param.dtype
     if encoded:
-        buffer = torch.cat(encoded)
+        buffer = torch.cat(encoded).to(dtype)
     else:  # nothing to encode here: an empty buffer that still takes part in backward's all-to-all
-        buffer = torch.zeros(0, fused_width, dtype=param.dtype, device=param.device,
-                             requires_grad=torch.is_grad_enabled())
+        buffer = torch.zeros(0, fused_width, dtype=dtype, device=param.device, requires_grad=torch.is_grad_enabled())
     if buffer.shape[1] != fused_width:
         raise UnsupportedModel(f"{type(model).__name__}'s encoder gives feature rows of width {buffer.shape[1]}, "
                                f"not the text hidden size {width} x {1 + levels} level(s): blockdiag_cp cannot "

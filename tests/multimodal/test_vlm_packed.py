@@ -188,3 +188,37 @@ def _ulysses_worker(rank: int, world: int, model_type: str) -> dict[str, float]:
 def test_head_parallel_layout_with_images():
     for rank, err in enumerate(run_ranks(_ulysses_worker, 2, "qwen2_5_vl", timeout=240, init_group=False)):
         assert max(err.values()) < 1e-4, (rank, err)
+
+
+def _autocast_worker(rank: int, world: int) -> dict:
+    """bf16 autocast at CP = 2, one image in the row, cut between the ranks: rank 1 encodes nothing and receives
+    rows from rank 0 (the exchange must use one dtype on both)."""
+    import torch.distributed as dist
+
+    config = tiny_vlm_config("qwen2_5_vl")
+    docs = (synthetic_documents(config, num_docs=1, seed=19, images=(1,))
+            + synthetic_documents(config, num_docs=2, seed=8, images=(0,)))
+    stock = build_vlm(config, "sdpa")
+    ours = build_vlm(config, "blockdiag_cp")
+    ours.load_state_dict(stock.state_dict())
+    alone = documents_alone(stock, docs, loss=False)
+    collator = bd.PackingCollator(60, group=dist.group.WORLD, pad_token_id=0, model_config=ours.config)
+    batch = collator(docs)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = ours(**batch)
+    out.loss.backward()
+    ref = torch.cat([alone.logits[i] for i in _packed_order(collator, docs)])
+    local = batch["cp_context"].local_index
+    real = local < ref.shape[0]
+    err = float((out.logits[0].float().detach()[real] - ref[local[real]]).abs().max() / ref.abs().max())
+    return {"logits": err, "encode": batch["cp_context"].media.encode,
+            "split": _splits_an_image(collator, docs, batch["cp_context"], world)}
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(200)
+def test_bf16_autocast_with_a_rank_that_encodes_nothing():
+    results = run_ranks(_autocast_worker, 2, timeout=150)
+    assert [len(r["encode"]) for r in results] == [1, 0] and results[0]["split"], results
+    for res in results:
+        assert res["logits"] < 3e-2, res  # bf16 against the float32 reference
