@@ -222,3 +222,37 @@ def test_bf16_autocast_with_a_rank_that_encodes_nothing():
     assert [len(r["encode"]) for r in results] == [1, 0] and results[0]["split"], results
     for res in results:
         assert res["logits"] < 3e-2, res  # bf16 against the float32 reference
+
+
+def _no_image_tokens_worker(rank: int, world: int, types: tuple[str, ...]) -> dict[str, tuple[int, dict]]:
+    """One image document and long text documents, contiguous placement: rank 1 holds no image token at all (it
+    still takes part in the exchange, with empty rows, in forward and backward)."""
+    import torch.distributed as dist
+
+    results = {}
+    for model_type in types:
+        config = tiny_vlm_config(model_type)
+        docs = (synthetic_documents(config, num_docs=1, seed=3, images=(1,))
+                + synthetic_documents(config, num_docs=3, seed=8, images=(0,), text_len=(20, 30)))
+        stock = build_vlm(config, "sdpa")
+        ours = build_vlm(config, "blockdiag_cp")
+        ours.load_state_dict(stock.state_dict())
+        alone = documents_alone(stock, docs)
+        total = sum(len(d["input_ids"]) for d in docs)
+        collator = bd.PackingCollator(-(-total // 4) * 4, group=dist.group.WORLD, pad_token_id=0,
+                                      model_config=ours.config, placement="contiguous")
+        batch = collator(docs)
+        held = int((batch["input_ids"] == collator.media.token_ids["image"]).sum())
+        results[model_type] = (held, _cp_step_errors(ours, batch, collator, docs, alone))
+    return results
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(300)
+def test_a_rank_without_image_tokens():
+    types = ("qwen3_vl", "gemma3", "llava")
+    results = run_ranks(_no_image_tokens_worker, 2, types, timeout=240)
+    for model_type in types:
+        assert results[0][model_type][0] > 0 and results[1][model_type][0] == 0, (model_type, results)
+        for res in results:
+            assert max(res[model_type][1].values()) < 1e-4, (model_type, res[model_type])
