@@ -256,3 +256,29 @@ def test_a_rank_without_image_tokens():
         assert results[0][model_type][0] > 0 and results[1][model_type][0] == 0, (model_type, results)
         for res in results:
             assert max(res[model_type][1].values()) < 1e-4, (model_type, res[model_type])
+
+
+@pytest.mark.parametrize("model_type", ["qwen2_5_vl", "gemma3", "idefics3", "mistral3"])
+def test_several_rows_at_cp1(model_type):
+    """Rows just longer than the longest document: the collator's [B, S] batch (images of every row in row order,
+    [4, B, S] positions, blocks per row) against each document alone."""
+    config = tiny_vlm_config(model_type)
+    docs = synthetic_documents(config, num_docs=5, seed=7, images=(1, 2, 0))
+    stock, ours = build_vlm(config, "sdpa"), build_vlm(config, OURS)
+    ours.load_state_dict(stock.state_dict())
+    alone = documents_alone(stock, docs)
+    length = -(-max(len(d["input_ids"]) for d in docs) // 8) * 8
+    collator = bd.PackingCollator(length, pad_token_id=0, model_config=ours.config)
+    batch = collator(docs)
+    assert batch["input_ids"].shape[0] > 1
+    out = ours(**batch)
+    (out.loss * batch["num_items_in_batch"]).backward()
+    logits = [None] * len(docs)
+    for r, row in enumerate(collator.pack(docs)):
+        start = 0
+        for d in row.documents:
+            logits[d.index] = out.logits[r, start:start + len(d)].detach()
+            start += len(d)
+    grads = {n: p.grad for n, p in ours.named_parameters() if p.grad is not None}
+    err = compare(logits, out.loss.detach() * batch["num_items_in_batch"], grads, alone)
+    assert max(err.values()) < 1e-4, (model_type, err)
