@@ -34,6 +34,9 @@ __all__ = ["IMAGE", "VIDEO", "MediaItem", "MediaSpec", "RowMedia", "item_keys", 
 #: The grid key of each kind (Qwen family): an item's rows of its patch tensor are ``prod(grid)``.
 _GRID_KEY = {IMAGE: "image_grid_thw", VIDEO: "video_grid_thw"}
 _PIXEL_KEY = {IMAGE: "pixel_values", VIDEO: "pixel_values_videos"}
+#: Architectures whose item -> feature-rows rule the tests check under CP (tests/multimodal/test_vlm_packed.py).
+CHECKED_TYPES = frozenset({"qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_5", "llava", "idefics3", "smolvlm", "mistral3",
+                           "internvl", "gemma3", "paligemma"})
 #: Per-token type keys the models read (Qwen: mm_token_type_ids; gemma3 / paligemma: token_type_ids).
 TOKEN_TYPE_KEYS = ("mm_token_type_ids", "token_type_ids")
 
@@ -73,6 +76,9 @@ class MediaSpec:
         blocks: which tokens attend each other both ways, from the per-token types: ``"ones"`` (gemma3: each run of
             type 1, an image's soft tokens), ``"prefix"`` (paligemma: the type-0 prefix, images and prompt), or
             ``None`` (plain causal).
+        checked: the architecture's rule for an item's feature rows is one the tests check (:data:`CHECKED_TYPES`);
+            under CP another architecture's images are refused (a wrong split of the rows between items would put
+            features on the wrong tokens), at CP = 1 the model maps its own features.
 
     Items are the units the vision encoder takes one at a time: an image, a video, or a tile of a tiled image
     (idefics3, smolvlm, internvl: each tile has its own placeholder run and feature rows).
@@ -86,6 +92,7 @@ class MediaSpec:
     five_d: bool = False
     size_step: int | None = None
     blocks: str | None = None
+    checked: bool = False
 
     @property
     def mrope(self) -> bool:
@@ -138,7 +145,8 @@ def media_spec(model_or_config: Any) -> MediaSpec | None:
         size_step = config.vision_config.patch_size * getattr(config, "spatial_merge_size", 1)
     blocks = {"gemma3": "ones", "paligemma": "prefix"}.get(model_type)
     return MediaSpec(model_type, token_ids, merge, rope_index, token_type_key,
-                     five_d=model_type in ("idefics3", "smolvlm", "idefics2"), size_step=size_step, blocks=blocks)
+                     five_d=model_type in ("idefics3", "smolvlm", "idefics2"), size_step=size_step, blocks=blocks,
+                     checked=model_type in CHECKED_TYPES)
 
 
 def _tensor(value: Any, where: str) -> torch.Tensor:
