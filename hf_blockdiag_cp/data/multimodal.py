@@ -26,6 +26,7 @@ import transformers
 from transformers.models.auto.modeling_auto import MODEL_MAPPING_NAMES
 
 from ..compat import rope_index_function
+from ..errors import Refusal
 from ..planning.media import IMAGE, VIDEO, item_keys
 
 __all__ = ["IMAGE", "VIDEO", "MediaItem", "MediaSpec", "RowMedia", "item_keys", "media_batch", "media_spec",
@@ -76,9 +77,9 @@ class MediaSpec:
         blocks: which tokens attend each other both ways, from the per-token types: ``"ones"`` (gemma3: each run of
             type 1, an image's soft tokens), ``"prefix"`` (paligemma: the type-0 prefix, images and prompt), or
             ``None`` (plain causal).
-        checked: the architecture's rule for an item's feature rows is one the tests check (:data:`CHECKED_TYPES`);
-            under CP another architecture's images are refused (a wrong split of the rows between items would put
-            features on the wrong tokens), at CP = 1 the model maps its own features.
+        checked: the architecture's positions and item -> feature-rows rules are ones the tests check
+            (:data:`CHECKED_TYPES`); another architecture's images are refused (its packed images could get other
+            positions, or under CP features on the wrong tokens), its text-only documents are served.
 
     Items are the units the vision encoder takes one at a time: an image, a video, or a tile of a tiled image
     (idefics3, smolvlm, internvl: each tile has its own placeholder run and feature rows).
@@ -182,6 +183,11 @@ def read_media(example: Mapping[str, Any], input_ids: torch.Tensor, spec: MediaS
             continue
         if token is None:
             raise ValueError(f"example {index}: has {_PIXEL_KEY[kind]} but {spec.model_type} has no {kind} token")
+        if not spec.checked:
+            raise Refusal(f"example {index}: {spec.model_type} documents with {kind}s: blockdiag_cp gives each packed "
+                          "document its own positions and each image its feature rows by rules checked for "
+                          f"{', '.join(sorted(CHECKED_TYPES))} only; another architecture's packed images could get "
+                          "other positions or features than the document alone (its text-only documents are served)")
         if not placeholders:
             raise ValueError(f"example {index}: has {_PIXEL_KEY[kind]} but its input_ids hold no {kind} "
                              f"placeholder token (id {token}); did the processor's text go through the tokenizer "

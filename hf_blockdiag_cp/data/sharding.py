@@ -21,9 +21,8 @@ from .._validate import check_int
 from ..compat import accelerate_dispatching_processes
 from ..config import BlockDiagCPConfig
 from ..context import BlockDiagCPContext
-from ..errors import Refusal
 from ..planning.media import plan_media
-from .multimodal import CHECKED_TYPES, RowMedia, media_batch
+from .multimodal import RowMedia, media_batch
 from .rows import FullRows
 
 __all__ = ["check_not_dispatched", "rank_batch", "resolve_cp", "row_multiple"]
@@ -160,11 +159,6 @@ def _media_fields(context: BlockDiagCPContext, full: FullRows,
         return context, extra
     if context.cp_size == 1:
         return context, {**extra, **media_batch(media.items, media.spec)}
-    if not media.spec.checked:
-        raise Refusal(f"{media.spec.model_type}: blockdiag_cp sends each image's feature rows to the CP ranks holding "
-                      "its placeholder tokens, and for this architecture it does not know (no checked rule) how many "
-                      "rows each image gives; images under CP are served for "
-                      f"{', '.join(sorted(CHECKED_TYPES))} (CP size 1 is exact: the model maps its own features)")
     ordered = media.ordered()
     owner = np.empty(context.full_len, dtype=np.int64)
     index = context.placement.index
