@@ -282,3 +282,44 @@ def test_several_rows_at_cp1(model_type):
     grads = {n: p.grad for n, p in ours.named_parameters() if p.grad is not None}
     err = compare(logits, out.loss.detach() * batch["num_items_in_batch"], grads, alone)
     assert max(err.values()) < 1e-4, (model_type, err)
+
+
+def _nan_worker(rank: int, world: int, types: tuple[str, ...]) -> dict[str, dict[str, float]]:
+    """NaN pixels in one document's image at CP = 2 (balanced, an image cut between the ranks): every other
+    document's logits stay those of the document alone; the poisoned document's are not finite."""
+    import torch.distributed as dist
+
+    results = {}
+    for model_type in types:
+        spec, placement, length = _straddling_case(model_type, world)
+        stock, ours, docs, alone = _setup(model_type, spec)
+        poisoned = next(i for i, d in enumerate(docs) if "pixel_values" in d)
+        nan = torch.full_like(docs[poisoned]["pixel_values"], float("nan"))
+        docs[poisoned] = {**docs[poisoned], "pixel_values": nan}
+        collator = bd.PackingCollator(length, group=dist.group.WORLD, pad_token_id=0, model_config=ours.config,
+                                      placement=placement)
+        batch = collator(docs)
+        with torch.no_grad():
+            logits = ours(**batch).logits[0]
+        owner = torch.cat([torch.full((len(d),), d.index) for d in collator.pack(docs)[0].documents])
+        ref = torch.cat([alone.logits[i] for i in _packed_order(collator, docs)])
+        local = batch["cp_context"].local_index
+        real = local < ref.shape[0]
+        mine = owner[local[real]]
+        clean = mine != poisoned
+        got, want = logits[real], ref[local[real]]
+        err = float((got[clean] - want[clean]).abs().max() / ref.abs().max()) if clean.any() else 0.0
+        finite = float(bool(torch.isfinite(got[~clean]).all())) if (~clean).any() else 0.0
+        results[model_type] = {"clean": err, "poisoned_finite": finite}
+    dist.barrier()
+    return results
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(300)
+def test_nan_pixels_stay_in_their_document():
+    types = ("qwen2_5_vl", "llava", "gemma3")
+    for rank, res in enumerate(run_ranks(_nan_worker, 2, types, timeout=240)):
+        for model_type in types:
+            assert res[model_type]["clean"] < 1e-5, (rank, model_type, res[model_type])
+            assert res[model_type]["poisoned_finite"] == 0.0, (rank, model_type, res[model_type])
