@@ -103,6 +103,7 @@ def test_qwen_family_cp2() -> None:
     _check(run_ranks(_worker, 2, scenarios, timeout=360), scenarios, PATCHES)
 
 
+@pytest.mark.slow
 def test_cp4() -> None:
     scenarios = [("qwen2_5_vl", "balanced"), ("qwen3_vl", "zigzag"), ("llava", "balanced")]
     _check(run_ranks(_worker, 4, scenarios, timeout=360), scenarios, PATCHES)

@@ -215,6 +215,7 @@ def _autocast_worker(rank: int, world: int) -> dict:
             "split": _splits_an_image(collator, docs, batch["cp_context"], world)}
 
 
+@pytest.mark.slow
 @pytest.mark.distributed
 @pytest.mark.timeout(200)
 def test_bf16_autocast_with_a_rank_that_encodes_nothing():
@@ -247,6 +248,7 @@ def _no_image_tokens_worker(rank: int, world: int, types: tuple[str, ...]) -> di
     return results
 
 
+@pytest.mark.slow
 @pytest.mark.distributed
 @pytest.mark.timeout(300)
 def test_a_rank_without_image_tokens():
@@ -315,6 +317,7 @@ def _nan_worker(rank: int, world: int, types: tuple[str, ...]) -> dict[str, dict
     return results
 
 
+@pytest.mark.slow
 @pytest.mark.distributed
 @pytest.mark.timeout(300)
 def test_nan_pixels_stay_in_their_document():
