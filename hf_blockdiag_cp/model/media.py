@@ -106,7 +106,7 @@ def encode_and_exchange(model: torch.nn.Module, kwargs: dict[str, Any]) -> dict[
                        datetime.timedelta(seconds=ctx.config.collective_timeout_s), runtime.media)
     received = exchange_features(buffer, ex)
     as_sequence = encoder_output_is_sequence(model)
-    outputs = dict(kwargs.get(MULTIMODAL_ENCODER_KEYWORD) or {})
+    outputs: dict[str, Any] = {}
     for kind in dict.fromkeys(transfer.kinds):
         local = received.index_select(0, transfer.gather[kind].to(received.device))
         pooled, *deep = local.split(width, dim=1)
