@@ -10,6 +10,7 @@ the package wraps are listed, and tested, in :mod:`hf_blockdiag_cp.integration`.
 from __future__ import annotations
 
 import datetime
+import importlib.util
 import inspect
 import sys
 from typing import Any
@@ -18,7 +19,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.distributed_c10d import _resolve_process_group, _set_pg_timeout
 
-__all__ = ["CONFIG_ATTN_PROPERTY", "CPU_FLASH_ATTENTION", "CPU_FLASH_ATTENTION_BACKWARD", "MASK_CLOSURES",
+__all__ = ["CONFIG_ATTN_PROPERTY", "CPU_FLASH_ATTENTION", "CPU_FLASH_ATTENTION_BACKWARD", "KERNEL_FUNCS_ATTR",
+           "MASK_CLOSURES", "RGLRU_SCAN_METHOD", "kernel_functions", "kernels_available",
            "MULTIMODAL_ENCODER_KEYWORD", "SFT_TRAINER_PRIVATE_METHODS", "TRAINER_PRIVATE_METHODS",
            "accelerate_dispatching_processes", "accelerate_prepared", "backend_options", "backend_timeouts",
            "cache_eval_dataloader", "can_set_attn_implementation", "check_sft_trainer_internals",
@@ -29,6 +31,28 @@ __all__ = ["CONFIG_ATTN_PROPERTY", "CPU_FLASH_ATTENTION", "CPU_FLASH_ATTENTION_B
            "stock_attn_implementation"]
 
 # ---- transformers -----------------------------------------------------------------------------------------
+
+#: ``use_kernelized_func`` (transformers' ``integrations/hub_kernels.py``, with the ``kernels`` package installed)
+#: keeps each recurrent mixer instance's private wrappers, one per replaceable function, in this instance attribute;
+#: ``kernels.kernelize`` replaces a wrapper's ``forward`` on the instance, and so does
+#: :mod:`hf_blockdiag_cp.mixer_hooks`.
+KERNEL_FUNCS_ATTR = "_kernel_funcs"
+#: RecurrentGemma's RG-LRU runs its scan in this private method ``(hidden_states, recurrent_gate, reset,
+#: recurrent_states, acc_dtype)``: served by an instance attribute of the same name.
+RGLRU_SCAN_METHOD = "_rnn_scan"
+
+
+def kernel_functions(module: object) -> dict[str, Any] | None:
+    """The private per-instance wrappers of a mixer decorated with ``use_kernelized_func`` (``None``: none)."""
+    funcs = getattr(module, "__dict__", {}).get(KERNEL_FUNCS_ATTR)
+    return funcs if isinstance(funcs, dict) and funcs else None
+
+
+def kernels_available() -> bool:
+    """Whether the ``kernels`` package is importable (without it, transformers' mixers call their functions directly
+    and hold no wrappers the package could serve)."""
+    return importlib.util.find_spec("kernels") is not None
+
 
 #: Vision-language models: the names the package relies on to carry images (tests/package/test_compat.py).
 #: - ``get_rope_index(self, input_ids, mm_token_type_ids, image_grid_thw=, video_grid_thw=, ...)`` of the base model

@@ -54,7 +54,7 @@ RECURRENT_BACKENDS: tuple[str, ...] = ("auto", "model", "torch", "fla", "mamba_s
 #: Which row positions each CP rank holds (see :mod:`hf_blockdiag_cp.planning.placement`).
 PLACEMENTS: tuple[str, ...] = ("balanced", "contiguous", "zigzag")
 #: How recurrent layers (scans, causal convolutions) run under CP: ``"state"`` passes fragment summaries between the
-#: sequence shards (:mod:`hf_blockdiag_cp.recurrent.state_passing`), ``"heads"`` splits their heads over the CP group
+#: sequence shards (:mod:`hf_blockdiag_cp.recurrent.driver`), ``"heads"`` splits their heads over the CP group
 #: and runs whole rows (:mod:`hf_blockdiag_cp.recurrent.head_parallel`).
 RECURRENT_LAYOUTS: tuple[str, ...] = ("state", "heads")
 

@@ -28,11 +28,11 @@ import sys
 import torch
 from transformers import PreTrainedModel
 
-from ..compat import can_set_attn_implementation, config_attn_implementation
+from ..compat import can_set_attn_implementation, config_attn_implementation, kernels_available
 from ..config import ATTN_IMPLEMENTATION
 from ..errors import UnsupportedModel
-from ..recurrent.functions import POSITION_RESETS
-from ..recurrent.install import served_modules
+from ..mixer_hooks import served_modules
+from ..mixer_table import POSITION_RESETS
 from .subconfigs import OTHER_MODALITY
 
 __all__ = ["UnsupportedModel", "has_absolute_positions", "loss_refusal", "model_type", "packing_refusal",
@@ -117,6 +117,11 @@ def packing_refusal(model: torch.nn.Module) -> str | None:
         if kind is not None:
             owner = _owner(model, name) if isinstance(sub, torch.nn.Conv1d) else sub
             what = _unserved_mixer(owner, kind)
+            if not kernels_available():  # transformers then wires no replaceable wrappers the package could serve
+                return (f"{name_of_model}'s {what} ({type(owner).__name__} at {name}) cannot be served per document: "
+                        "transformers routes recurrent mixers through the `kernels` package, which is not installed "
+                        "here, so the mixer has no replaceable functions (pip install kernels, a dependency of "
+                        "hf-blockdiag-cp); blockdiag_cp refuses rows with more than one document for it")
             return (f"{name_of_model}'s {what} ({type(owner).__name__} at {name}) has no per-document reset or "
                     "state passing in blockdiag_cp yet: its layers carry state across the whole row whatever the "
                     "attention does, so packed documents would leak into each other (and a context-parallel shard "

@@ -6,7 +6,7 @@ model loaded with, or switched to, ``attn_implementation="blockdiag_cp"``), by
 ``CPSFTTrainer``. Whatever calls it, in whatever order, a prepared model carries exactly:
 
 - a :class:`ForwardProbe` shared by all its submodules (the attention function counts its calls there);
-- a per-instance ``forward`` on each of its recurrent mixers (:mod:`hf_blockdiag_cp.recurrent.install`) and DSA
+- a per-instance ``forward`` on each of its recurrent mixers (:mod:`hf_blockdiag_cp.mixer_hooks`) and DSA
   indexers (:mod:`hf_blockdiag_cp.sparse.indexer`), which read the forward's document fragments (``probe.runs``, set
   by the pre-hook);
 - one forward **pre-hook**, which in this order
@@ -49,7 +49,7 @@ from torch.utils.hooks import RemovableHandle
 from transformers import PreTrainedModel
 
 from ..compat import forward_hooks, in_autograd_backward
-from ..recurrent.install import install_recurrent, uninstall_recurrent
+from ..mixer_hooks import install_recurrent, uninstall_recurrent
 from ..recurrent.runs import local_runs
 from ..sparse.indexer import install_indexers, uninstall_indexers
 from .batch import arguments, check_batch, check_cp_loss_count, fill_position_ids, packing, positional_index
@@ -64,6 +64,7 @@ from .detect import (
     uses_blockdiag_cp,
 )
 from .forward_agreement import agree_forward
+from .forward_runs import PROBE_ATTR, check_recompute, install_layer_hooks, remove_layer_hooks
 from .head_refusals import check_logits_to_keep, row_pooling_refusal
 from .media import encode_and_exchange, is_mrope, refuse_flat_mrope
 from .moe_aux import exact_router_aux_loss
@@ -71,7 +72,6 @@ from .moe_aux import exact_router_aux_loss
 __all__ = ["PROBE_ATTR", "ForwardProbe", "Preparation", "check_context_reached", "forward_context",
            "mark_attention_call", "package_hooks", "prepare_model", "unprepare_model"]
 
-PROBE_ATTR = "_blockdiag_cp_probe"
 #: Attribute of a prepared model holding its :class:`Preparation`.
 PREPARATION_ATTR = "_blockdiag_cp_preparation"
 
@@ -85,7 +85,7 @@ class ForwardProbe:
         refusal: why rows with more than one document (or a CP shard) would be computed wrongly.
         absolute_positions: the model adds learned/absolute position embeddings (``position_ids`` needed).
         position_resets: a recurrent mixer of the model restarts where ``position_ids`` are 0 (``position_ids``
-            needed; :data:`~hf_blockdiag_cp.recurrent.functions.POSITION_RESETS`).
+            needed; :data:`~hf_blockdiag_cp.mixer_table.POSITION_RESETS`).
         attention_calls: calls of the ``"blockdiag_cp"`` attention function by this model's layers.
         starts: ``attention_calls`` at the start of the forward of each hooked module (by ``id``).
         loss_refusal: why the model's own loss cannot take the collator's ``shift_labels``, or ``None``.
@@ -98,9 +98,10 @@ class ForwardProbe:
             recompute): attention layers called without the model's keyword arguments use it (:func:`forward_context`).
         recurrent_mixers: recurrent mixers served per document fragment (:mod:`hf_blockdiag_cp.recurrent`).
         sparse_indexers: DSA indexers served per document (:mod:`hf_blockdiag_cp.sparse.indexer`).
-        runs: the :class:`~hf_blockdiag_cp.recurrent.runs.LocalRuns` of the latest forward with packed rows or a
-            ``cp_context`` (``None``: one document per row), set by the pre-hook of every forward and kept after
-            it, so that an activation-checkpoint recompute during backward reads the same fragments.
+        runs: the :class:`~hf_blockdiag_cp.recurrent.runs.LocalRuns` of the forward in progress with packed rows or
+            a ``cp_context`` (``None``: one document per row), set by the pre-hook of every forward; during an
+            activation-checkpoint recompute, those of the forward the recomputed layer belongs to
+            (:mod:`.forward_runs`).
     """
 
     model_type: str
@@ -124,6 +125,11 @@ class ForwardProbe:
         (its pre-hook ran, its post-hook not yet) or during a backward (an activation-checkpoint recompute), not
         to a later direct call of a submodule, whose pre-hook does not run."""
         return bool(self.starts) or in_autograd_backward()
+
+    def check_recompute(self, what: str) -> None:
+        """Refuse reading the held forward state in a recompute while several packed forwards wait for the backward
+        (:func:`~.forward_runs.check_recompute`)."""
+        check_recompute(self, what)
 
 
 @dataclass(eq=False)
@@ -199,6 +205,7 @@ def prepare_model(model: torch.nn.Module, *, strict: bool = False) -> torch.nn.M
         sub.__dict__[PROBE_ATTR] = probe
     probe.recurrent_mixers = install_recurrent(model, probe)
     probe.sparse_indexers = install_indexers(model, probe)
+    install_layer_hooks(model)  # each forward's fragments and context reach its checkpoint recompute
     if isinstance(model, PreTrainedModel) and uses_blockdiag_cp(model):  # its pair refuses for its nested models
         for sub in list(model.modules())[1:]:
             nested = sub.__dict__.pop(PREPARATION_ATTR, None)
@@ -229,6 +236,7 @@ def unprepare_model(model: torch.nn.Module) -> torch.nn.Module:
         sub.__dict__.pop(PROBE_ATTR, None)
     uninstall_recurrent(model)
     uninstall_indexers(model)
+    remove_layer_hooks(model)
     return model
 
 

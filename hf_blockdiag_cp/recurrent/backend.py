@@ -29,6 +29,9 @@ from typing import Any
 import torch
 
 from ..config import RECURRENT_BACKENDS
+from .kinds import MixerKind
+
+K = MixerKind
 
 __all__ = ["AUTO_ON_CPU", "LIBRARY_KINDS", "SEMANTIC_KEYWORDS", "agreement_code", "call_backend", "describe_code",
            "forward_backend", "op_refusal"]
@@ -37,15 +40,15 @@ __all__ = ["AUTO_ON_CPU", "LIBRARY_KINDS", "SEMANTIC_KEYWORDS", "agreement_code"
 #: ``benchmarks/bench_recurrent_layers.py`` (docs/benchmarks.md, one layer on a packed 16K row): the chunked ops are
 #: 2.5-4x faster than the model's function per fragment for the gated delta rule, KDA and Mamba1; for SSD and the
 #: short convolution the model's function per fragment was as fast or faster (both exact), so it stays.
-AUTO_ON_CPU: dict[str, str] = {"delta": "torch", "kda": "torch", "selective": "torch", "ssd": "model",
-                               "conv": "model"}
+AUTO_ON_CPU: dict[MixerKind, str] = {K.DELTA: "torch", K.KDA: "torch", K.SELECTIVE: "torch", K.SSD: "model",
+                                      K.CONV: "model"}
 #: The kinds each library adapter covers (the rest run the torch op under that request).
-LIBRARY_KINDS: dict[str, frozenset[str]] = {"fla": frozenset({"delta", "kda", "conv"}),
-                                            "mamba_ssm": frozenset({"ssd", "selective", "conv"})}
+LIBRARY_KINDS: dict[str, frozenset[MixerKind]] = {"fla": frozenset({K.DELTA, K.KDA, K.CONV}),
+                                                  "mamba_ssm": frozenset({K.SSD, K.SELECTIVE, K.CONV})}
 #: The library module behind each (library, kind): what must import for the adapter to run.
-_MODULES: dict[tuple[str, str], str] = {
-    ("fla", "delta"): "fla", ("fla", "kda"): "fla", ("fla", "conv"): "causal_conv1d",
-    ("mamba_ssm", "ssd"): "mamba_ssm", ("mamba_ssm", "selective"): "mamba_ssm", ("mamba_ssm", "conv"): "causal_conv1d",
+_MODULES: dict[tuple[str, MixerKind], str] = {
+    ("fla", K.DELTA): "fla", ("fla", K.KDA): "fla", ("fla", K.CONV): "causal_conv1d",
+    ("mamba_ssm", K.SSD): "mamba_ssm", ("mamba_ssm", K.SELECTIVE): "mamba_ssm", ("mamba_ssm", K.CONV): "causal_conv1d",
 }
 _LIBRARIES: tuple[str, ...] = ("fla", "mamba_ssm", "causal_conv1d")
 
@@ -87,17 +90,17 @@ def describe_code(code: int) -> str:
 #: the ops do not: a call carrying one (not ``None`` / ``False``) takes ``"model"``. Every other keyword a model hands
 #: through (``TransformersKwargs``, a batch's extra keys such as ``shift_labels``, rotary embeddings) lands in the
 #: ``**kwargs`` of transformers' torch functions, which ignore it; so does the op.
-SEMANTIC_KEYWORDS: dict[str, frozenset[str]] = {
-    "delta": frozenset({"scale", "head_first", "use_gate_in_kernel", "A_log", "dt_bias", "lower_bound", "safe_gate",
+SEMANTIC_KEYWORDS: dict[MixerKind, frozenset[str]] = {
+    K.DELTA: frozenset({"scale", "head_first", "use_gate_in_kernel", "A_log", "dt_bias", "lower_bound", "safe_gate",
                         "use_beta_sigmoid_in_kernel", "transpose_state_layout"}),
-    "ssd": frozenset({"z", "return_varlen_states", "D_has_hdim"}),
-    "selective": frozenset(),
-    "conv": frozenset({"initial_states", "return_final_states", "final_states_out"}),
+    K.SSD: frozenset({"z", "return_varlen_states", "D_has_hdim"}),
+    K.SELECTIVE: frozenset(),
+    K.CONV: frozenset({"initial_states", "return_final_states", "final_states_out"}),
 }
-SEMANTIC_KEYWORDS["kda"] = SEMANTIC_KEYWORDS["delta"]
+SEMANTIC_KEYWORDS[K.KDA] = SEMANTIC_KEYWORDS[K.DELTA]
 
 
-def op_refusal(kind: str, named: dict[str, Any], known: frozenset[str]) -> str | None:
+def op_refusal(kind: MixerKind, named: dict[str, Any], known: frozenset[str]) -> str | None:
     """Why the package's op cannot compute this call exactly as the model's function does (``None``: it can).
 
     Args:
@@ -105,17 +108,18 @@ def op_refusal(kind: str, named: dict[str, Any], known: frozenset[str]) -> str |
         known: every argument name the op path maps (of the rest, those in :data:`SEMANTIC_KEYWORDS` must be absent,
             ``None`` or ``False``).
     """
+    kind = MixerKind(kind)
     semantic = SEMANTIC_KEYWORDS.get(kind, frozenset())
     extra = sorted(k for k, v in named.items() if k not in known and k in semantic and v is not None and v is not False)
     if extra:
         return f"arguments {extra} that the package's op does not take"
-    if kind == "conv":
+    if kind is K.CONV:
         weight = named["weight"]
         if weight.dim() != 2:
             return f"a weight of shape {tuple(weight.shape)} (the op takes [C, K])"
         if named.get("activation") not in (None, "silu", "swish"):
             return f"activation={named.get('activation')!r} (the op has None, 'silu', 'swish')"
-    elif kind == "ssd":
+    elif kind is K.SSD:
         if named.get("z") is not None:
             return "a z gate (transformers' torch scan ignores it, the op would not)"
         d = named.get("D")
@@ -124,23 +128,24 @@ def op_refusal(kind: str, named: dict[str, Any], known: frozenset[str]) -> str |
             return f"D of shape {tuple(d.shape)}"
         if named["A"].dim() != 1:
             return f"A of shape {tuple(named['A'].shape)} (the op takes [H])"
-    elif kind == "selective":
+    elif kind is K.SELECTIVE:
         if named["A"].dim() != 2:
             return f"A of shape {tuple(named['A'].shape)} (the op takes [D, N])"
-    elif kind in ("delta", "kda"):
+    elif kind in (K.DELTA, K.KDA):
         if named.get("chunk_size") is not None and not isinstance(named.get("chunk_size"), int):
             return f"chunk_size={named.get('chunk_size')!r}"
     else:
-        return f"a mixer kind {kind!r} the ops do not cover"
+        return f"a mixer kind {str(kind)!r} the ops do not cover"
     return None
 
 
-def call_backend(choice: tuple[str, int], kind: str, device: torch.device) -> str:
+def call_backend(choice: tuple[str, int], kind: MixerKind, device: torch.device) -> str:
     """The backend of one call before argument checks: ``"model"``, ``"torch"``, ``"fla"`` or ``"mamba_ssm"``.
 
     ``choice``: :func:`forward_backend`'s result (agreed across CP ranks). A library request for a kind the library
     does not cover, or on a process without it, runs the torch op (the adapters take the same arguments).
     """
+    kind = MixerKind(kind)
     request, mask = choice
     if request == "model":
         return "model"

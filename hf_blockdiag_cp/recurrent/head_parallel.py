@@ -1,6 +1,6 @@
 """The head-parallel fallback for recurrent layers under CP (``BlockDiagCPConfig.recurrent_layout == "heads"``).
 
-Instead of passing fragment summaries between the sequence shards (:mod:`.state_passing`), every rank gets the
+Instead of passing fragment summaries between the sequence shards (:mod:`.driver`), every rank gets the
 WHOLE row for ``1 / P`` of the call's heads (channels of a causal convolution) and runs each document whole, as
 at CP = 1; the outputs go back to the sequence shards. Per served call:
 
@@ -27,7 +27,8 @@ What is cut how (legend: ``T`` time, ``H`` heads, ``G`` groups of heads sharing 
 
 Refused with the cause, on every rank at the same call before any collective: a head count the CP size does not
 divide (or groups that neither divide nor are divided by it), and a call asking for a final state.
-Windowed modules (:data:`~.functions.WINDOWED`) keep passing their last inputs (:func:`~.state_passing.run_window`,
+Windowed modules (:data:`~hf_blockdiag_cp.mixer_table.WINDOWED`) keep passing their last inputs
+(:class:`~.module_runners.WindowRunner`,
 exact, a few rows per fragment).
 
 Bytes a rank sends per call and direction (``E``: bytes per element of each tensor, ``n_g = G / P`` or 1)::
@@ -50,9 +51,10 @@ from ..errors import UnsupportedModel
 from ..planning.fragments import local_fragments
 from ..planning.layout import HeadSplit
 from ..runtime import step_runtime
-from .fragment_call import call_fragment, time_axis
-from .functions import ScanFunction
+from .kinds import MixerKind
 from .runs import LocalRuns
+from .scan_runner import ScanRunner
+from .specs import ScanFunction
 
 __all__ = ["HEAD_LAYOUTS", "HeadLayout", "head_parallel_bytes", "run_heads"]
 
@@ -78,14 +80,14 @@ class HeadLayout:
 
 _DELTA = HeadLayout(heads={"value": (2, 1), "g": (2, 1), "beta": (2, 1)},
                     groups={"query": (2, 1), "key": (2, 1)}, params=(), out=(2, 1))
-#: The kinds of :data:`~.functions.SCANS` with a head-parallel fallback.
-HEAD_LAYOUTS: dict[str, HeadLayout] = {
-    "conv": HeadLayout(heads={"hidden_states": (1, 2)}, groups={}, params=("weight", "bias"), out=(1, 2)),
-    "delta": _DELTA,
-    "kda": _DELTA,
-    "ssd": HeadLayout(heads={"hidden_states": (2, 1), "dt": (2, 1), "z": (2, 1)},
+#: The kinds of :data:`~hf_blockdiag_cp.mixer_table.SCANS` with a head-parallel fallback.
+HEAD_LAYOUTS: dict[MixerKind, HeadLayout] = {
+    MixerKind.CONV: HeadLayout(heads={"hidden_states": (1, 2)}, groups={}, params=("weight", "bias"), out=(1, 2)),
+    MixerKind.DELTA: _DELTA,
+    MixerKind.KDA: _DELTA,
+    MixerKind.SSD: HeadLayout(heads={"hidden_states": (2, 1), "dt": (2, 1), "z": (2, 1)},
                       groups={"B": (2, 1), "C": (2, 1)}, params=("A", "D", "dt_bias"), out=(2, 1)),
-    "selective": HeadLayout(heads={"hidden_states": (1, 2), "dt": (1, 2), "z": (1, 2)},
+    MixerKind.SELECTIVE: HeadLayout(heads={"hidden_states": (1, 2), "dt": (1, 2), "z": (1, 2)},
                             groups={"B": (None, 2), "C": (None, 2)}, params=("A", "D", "delta_bias"), out=(1, 2)),
 }
 
@@ -116,7 +118,8 @@ def _split(spec: ScanFunction, named: dict[str, Any], size: int) -> tuple[HeadLa
     """The call's layout and head split over ``size`` ranks; refuses (on every rank alike) what cannot be cut."""
     layout = HEAD_LAYOUTS.get(spec.kind)
     if layout is None:
-        raise UnsupportedModel(f"{spec.name}: recurrent_layout='heads' is not implemented for {spec.kind!r} scans (no "
+        raise UnsupportedModel(f"{spec.name}: recurrent_layout='heads' is not implemented for "
+                               f"{str(spec.kind)!r} scans (no "
                                "head layout is declared for them); use recurrent_layout='state' (the default), which "
                                "passes their states between the sequence shards")
     if spec.state_flag is not None and named.get(spec.state_flag):
@@ -128,7 +131,7 @@ def _split(spec: ScanFunction, named: dict[str, Any], size: int) -> tuple[HeadLa
     groups = _present(named, layout.groups)
     group_counts = {name: 1 if axes[0] is None else named[name].shape[axes[0]] for name, axes in groups.items()}
     group_count = next(iter(group_counts.values()), count)
-    what = "channels" if spec.kind in ("conv", "selective") else "heads"
+    what = "channels" if spec.kind in (MixerKind.CONV, MixerKind.SELECTIVE) else "heads"
     if len(set(counts.values())) > 1 or len(set(group_counts.values())) > 1 or count % group_count:
         raise UnsupportedModel(f"{spec.name}: recurrent_layout='heads' needs one head count per input kind, got "
                                f"{counts} and groups {group_counts}; use recurrent_layout='state'")
@@ -200,8 +203,9 @@ def run_heads(spec: ScanFunction, original: Callable, runs: LocalRuns, named: di
     for name in layout.params:
         if isinstance(named.get(name), torch.Tensor):
             whole[name] = named[name].narrow(0, first, split.q_per_rank)
-    pieces = [call_fragment(spec, original, whole, f.row, f.start, f.length)[0] for f in rows[0]]
-    out = pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=time_axis(pieces[0], spec.out_dim))
+    runner = ScanRunner(spec, original, whole, "model", False, rows[0])  # each document whole, as at CP = 1
+    out = runner.assemble(runner.run(rows[0], None, False)[0], None)
+    out = out[0] if spec.returns_tuple else out
     out_rows, features = _to_rows(out, layout.out)
     back = gather_heads([out_rows.index_select(2, placed_order)], a2a, names=["out"],
                         what=f"recurrent {spec.name} output")[0]  # [1, H, L, d]

@@ -10,18 +10,25 @@ activation-checkpoint recompute).
 
 from __future__ import annotations
 
+import datetime
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from ..config import BlockDiagCPConfig
+from ..distributed.exchange import all_gather_single, check_usable, reduce_scatter_single, wait
 from ..planning.documents import doc_ids_from_flattening, doc_ids_from_position_ids
 from ..planning.fragments import Fragment, FragmentPlan, local_fragments, plan_fragments
 from ..runtime import step_runtime
+from .agreement import agree_recurrent
 from .backend import forward_backend
 
-__all__ = ["Fragment", "LocalRuns", "local_runs"]
+__all__ = ["GATHER", "Fragment", "LocalRuns", "local_runs"]
+
+#: What the state all-gather and its backward are called in errors and traffic counters.
+GATHER = ("recurrent state all-gather", "recurrent state gradient reduce-scatter")
 
 
 @dataclass(frozen=True, eq=False)
@@ -52,6 +59,25 @@ class LocalRuns:
     @property
     def fragments(self) -> tuple[Fragment, ...]:
         return tuple(f for row in self.rows for f in row)
+
+    @property
+    def rank(self) -> int:
+        """This rank's place in the CP group (0 at CP = 1)."""
+        return self.context.cp_rank if self.plan is not None else 0
+
+    @property
+    def local(self) -> tuple[Fragment, ...]:
+        """This rank's fragments in local order (under CP the plan's, which its ``send`` / ``sources`` index)."""
+        return self.plan.fragments[self.rank] if self.plan is not None else self.fragments
+
+    def agree(self, device: torch.device) -> None:
+        """The step's rank agreement, once per step, before its first recurrent collective (CP > 1)."""
+        agree_recurrent(self.context, device)
+
+    def gather(self, buffer: torch.Tensor) -> torch.Tensor:
+        """Every rank's ``buffer [slots, W]`` as ``[P * slots, W]`` (rank-major), differentiably: the step's one
+        recurrent collective per layer and direction (:data:`GATHER` names it in errors)."""
+        return _StateGather.apply(buffer, self.context)
 
 
 def local_runs(named: dict[str, Any], packed: bool) -> LocalRuns | None:
@@ -101,3 +127,36 @@ def _cached_plan(ctx: Any) -> FragmentPlan:
     if runtime.fragments is None:
         runtime.fragments = plan_fragments(ctx.doc_ids, ctx.placement.index)
     return runtime.fragments
+
+
+class _StateGather(torch.autograd.Function):
+    """A named all-gather over the CP group whose backward is the matching reduce-scatter; each direction first
+    refuses a group with an earlier failed collective, and counts its bytes in the step's ``comm_stats``."""
+
+    @staticmethod
+    def forward(ctx, buffer: torch.Tensor, cp: Any) -> torch.Tensor:  # type: ignore[override]
+        ctx.cp = cp
+        return _collective(buffer.contiguous(), cp, forward=True)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
+        return _collective(grad.contiguous(), ctx.cp, forward=False), None
+
+
+def _collective(x: torch.Tensor, cp: Any, *, forward: bool) -> torch.Tensor:
+    what = GATHER[0] if forward else GATHER[1]
+    size, rank, group = cp.cp_size, cp.cp_rank, cp.group
+    check_usable(group, what, rank)
+    timeout = datetime.timedelta(seconds=cp.config.collective_timeout_s)
+    if forward:
+        out = x.new_empty(size * x.shape[0], x.shape[1])
+        work = all_gather_single(out, x, group=group, async_op=True)
+        moved = x
+    else:
+        out = x.new_empty(x.shape[0] // size, x.shape[1])
+        work = reduce_scatter_single(out, x, op=dist.ReduceOp.SUM, group=group, async_op=True)
+        moved = out
+    wait(work, what, rank, timeout, group=group)
+    nbytes = moved.numel() * moved.element_size() * (size - 1)
+    step_runtime(cp).comm.record("forward" if forward else "backward", nbytes, nbytes)
+    return out

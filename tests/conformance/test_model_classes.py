@@ -150,8 +150,8 @@ def test_models_bypassing_the_attention_interface_are_refused_at_load(model_type
 def test_attention_never_called_in_a_packed_forward_is_refused(monkeypatch):
     """The runtime backstop for models the load-time heuristic misses: mamba has no attention at all;
     with its per-document scans removed and its refusal switched off, the packed forward must still be refused."""
+    from hf_blockdiag_cp.mixer_hooks import uninstall_recurrent
     from hf_blockdiag_cp.model import prepare
-    from hf_blockdiag_cp.recurrent.install import uninstall_recurrent
 
     monkeypatch.setattr(prepare, "packing_refusal", lambda model: None)
     stock, ours, docs = _pair("mamba")

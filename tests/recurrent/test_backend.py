@@ -24,14 +24,16 @@ from hf_blockdiag_cp.conformance.runs import (
     reference_run,
 )
 from hf_blockdiag_cp.errors import AgreementError
+from hf_blockdiag_cp.mixer_table import SCANS
 from hf_blockdiag_cp.model.forward_agreement import FORWARD_FIELDS, agree_on_forward
 from hf_blockdiag_cp.planning.fragments import local_fragments
 from hf_blockdiag_cp.recurrent import ops
 from hf_blockdiag_cp.recurrent.backend import AUTO_ON_CPU, agreement_code, call_backend, op_refusal
-from hf_blockdiag_cp.recurrent.functions import SCANS
-from hf_blockdiag_cp.recurrent.install import run_fragments
-from hf_blockdiag_cp.recurrent.op_call import known_arguments
+from hf_blockdiag_cp.recurrent.kinds import MixerKind
 from hf_blockdiag_cp.recurrent.runs import LocalRuns
+from hf_blockdiag_cp.recurrent.scan_runner import ScanRunner, known_arguments
+from hf_blockdiag_cp.recurrent.serve import serve_scan
+from hf_blockdiag_cp.recurrent.specs import bind
 from tests.fake_collective import FAKE_GROUP, with_peers
 
 ENV = ENV_VARS["recurrent_backend"]
@@ -53,6 +55,11 @@ class OpSpy:
 # ---------------------------------------------------------------- configuration and resolution
 
 
+
+def run_fragments(spec, original, runs, args, kwargs):
+    """One served scan call on ``runs`` (what the mixer hook does with a call's arguments)."""
+    return serve_scan(spec, original, runs, bind(spec.params, spec.name, args, kwargs))
+
 def test_config_field_env_and_refusal(monkeypatch):
     monkeypatch.setenv(ENV, "Torch")
     assert BlockDiagCPConfig().recurrent_backend == "torch"
@@ -70,7 +77,7 @@ def test_resolution_per_kind_on_cpu():
         # a library request on CPU (or without the library) runs the torch op: same contract, same result
         assert call_backend(("fla", 0), kind, CPU) == "torch"
         assert call_backend(("mamba_ssm", 0), kind, CPU) == "torch"
-    assert call_backend(("auto", 0), "a_future_kind", CPU) == "model"
+    assert call_backend(("auto", 0), MixerKind.DIAG, CPU) == "model"  # a kind without an op
     # on CUDA (resolution is pure: no device needed): a library where the agreed mask says it imports, else torch
     cuda, fla, mamba, conv = torch.device("cuda"), 1, 2, 4  # bits of fla, mamba_ssm, causal_conv1d
     assert call_backend(("auto", fla | mamba | conv), "delta", cuda) == "fla"
@@ -245,14 +252,12 @@ def _cp_worker(rank: int, world: int) -> dict:
             counts[_name] += 1
             return _fn(*args, **kwargs)
         ops.TORCH_OPS[name] = counted
-    import hf_blockdiag_cp.recurrent.op_call as op_call
-
-    plain = op_call._augmented_pass
+    plain = ScanRunner.partial
 
     def augmented(*args, **kwargs):  # delta rule / KDA fragments that continue and send: one pass, no rerun
         counts["augmented"] += 1
         return plain(*args, **kwargs)
-    op_call._augmented_pass = augmented
+    ScanRunner.partial = augmented
     report = {"continuing": 0, "op_calls": 0}
     for kind, placement in CP_CASES:
         config = tiny_config(kind)

@@ -204,7 +204,7 @@ def _delta_args(value_heads: int, key_heads: int) -> dict:
 ])
 def test_what_cannot_be_cut_by_head_is_refused_naming_the_cause(name, args, size, fragment):
     from hf_blockdiag_cp.errors import UnsupportedModel
-    from hf_blockdiag_cp.recurrent.functions import SCANS
+    from hf_blockdiag_cp.mixer_table import SCANS
     from hf_blockdiag_cp.recurrent.head_parallel import _split
 
     with pytest.raises(UnsupportedModel) as err:
@@ -213,7 +213,7 @@ def test_what_cannot_be_cut_by_head_is_refused_naming_the_cause(name, args, size
 
 
 def test_head_layouts_cover_every_scan_kind():
-    from hf_blockdiag_cp.recurrent.functions import SCANS
+    from hf_blockdiag_cp.mixer_table import SCANS
     from hf_blockdiag_cp.recurrent.head_parallel import HEAD_LAYOUTS
 
     kinds = {spec.kind for spec in SCANS.values()}

@@ -25,13 +25,22 @@ from hf_blockdiag_cp.conformance.runs import (
     make_documents,
     packed_inputs,
 )
+from hf_blockdiag_cp.mixer_hooks import INSTALLED_ATTR, uninstall_recurrent
+from hf_blockdiag_cp.mixer_table import STATEFUL
 from hf_blockdiag_cp.model.detect import packing_refusal
-from hf_blockdiag_cp.recurrent.functions import STATEFUL
-from hf_blockdiag_cp.recurrent.install import INSTALLED_ATTR, uninstall_recurrent
-from hf_blockdiag_cp.recurrent.state_passing import _HandedState, compose_stateful, stateful_decay
+from hf_blockdiag_cp.recurrent.algebra import DecayAlgebra
+from hf_blockdiag_cp.recurrent.module_runners import HandedState as _HandedState
+from hf_blockdiag_cp.recurrent.module_runners import stateful_decay
 from tests.launch import run_ranks
 from tests.recurrent.harness import assert_matches_documents_alone, assert_packed_rows_match, cp_step, packed_batch
 from tests.reference import documents_alone
+
+
+def compose_stateful(summaries: list, heads: int, dim: int) -> torch.Tensor:
+    """The state entering the next fragment, folded from the packed summaries by the lightning row's algebra."""
+    algebra = DecayAlgebra((1, heads, dim, dim), (1, heads))
+    return algebra.fold(summaries, [1] * len(summaries))[0]
+
 
 KIND = "minimax"
 SPEC = STATEFUL["MiniMaxLightningAttention"]

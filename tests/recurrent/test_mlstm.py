@@ -20,9 +20,9 @@ from hf_blockdiag_cp.conformance.runs import (
     grad_error,
     make_documents,
 )
+from hf_blockdiag_cp.mixer_hooks import INSTALLED_ATTR
+from hf_blockdiag_cp.mixer_table import SCAN_MODULES
 from hf_blockdiag_cp.model.detect import packing_refusal
-from hf_blockdiag_cp.recurrent.functions import SCAN_MODULES
-from hf_blockdiag_cp.recurrent.install import INSTALLED_ATTR
 from tests.launch import run_ranks
 from tests.recurrent.harness import assert_matches_documents_alone, assert_packed_rows_match, cp_step, packed_batch
 from tests.reference import documents_alone
@@ -56,7 +56,19 @@ def test_mlstm_composition_matches_the_whole_document_in_float64() -> None:
     """Two fragments of one document: the second run from the state the first leaves equals the whole document's
     outputs, and the state composed of both fragments' ``(C_0, n_0, m_0, F)`` stands for the whole run's last state
     (the module in float64)."""
-    from hf_blockdiag_cp.recurrent.scan_modules import _call, _compose, _summary
+    from hf_blockdiag_cp.recurrent.algebra import Summary
+    from hf_blockdiag_cp.recurrent.module_runners import ScanModuleRunner
+
+    def _call(spec, original, named, row, start, length, state):
+        frag = type("Fragment", (), {"row": row, "start": start, "length": length})
+        outs, ends = ScanModuleRunner(spec, original, named, True, [frag]).run([frag], state and [state], True)
+        return outs[0], ends[0]
+
+    def _summary(spec, named, f, last, continues):
+        return spec.algebra(named).pack(Summary(last, spec.transition(named, f) if continues else None))
+
+    def _compose(rows, heads, dqk, dv):
+        return spec.algebra(named).fold(rows, [1] * len(rows))
 
     spec = SCAN_MODULES["xLSTMBackend"]
     config = _config()

@@ -17,6 +17,7 @@ import inspect
 import pytest
 import torch
 
+from hf_blockdiag_cp.compat import kernel_functions as mixer_functions
 from hf_blockdiag_cp.conformance.configs import tiny_config
 from hf_blockdiag_cp.conformance.runs import (
     build_model,
@@ -25,9 +26,9 @@ from hf_blockdiag_cp.conformance.runs import (
     packed_run,
     reference_run,
 )
+from hf_blockdiag_cp.mixer_hooks import INSTALLED_ATTR, check_signature, uninstall_recurrent
+from hf_blockdiag_cp.mixer_table import COMPOSITES, FUSED, SCANS, WINDOWED
 from hf_blockdiag_cp.model.detect import packing_refusal
-from hf_blockdiag_cp.recurrent.functions import COMPOSITES, FUSED, SCANS, WINDOWED, mixer_functions
-from hf_blockdiag_cp.recurrent.install import INSTALLED_ATTR, check_signature, uninstall_recurrent
 from tests.recurrent.harness import assert_packed_rows_match
 
 # The quick loop keeps one gated-delta-rule + convolution model and one short-convolution model (a few seconds

@@ -25,11 +25,10 @@ from hf_blockdiag_cp.conformance.runs import (
     packed_inputs,
 )
 from hf_blockdiag_cp.errors import UnsupportedModel
+from hf_blockdiag_cp.mixer_hooks import INSTALLED_ATTR, uninstall_recurrent
+from hf_blockdiag_cp.mixer_table import METHODS, WINDOWED, conv_window
 from hf_blockdiag_cp.model.detect import packing_refusal
-from hf_blockdiag_cp.recurrent.fragment_call import call_fragment
-from hf_blockdiag_cp.recurrent.functions import METHODS, WINDOWED, conv_window
-from hf_blockdiag_cp.recurrent.install import INSTALLED_ATTR, uninstall_recurrent
-from hf_blockdiag_cp.recurrent.state_passing import _transition, compose, summary_width
+from hf_blockdiag_cp.recurrent.scan_runner import ScanRunner
 from tests.launch import run_ranks
 from tests.recurrent.harness import assert_matches_documents_alone, assert_packed_rows_match, cp_step, packed_batch
 from tests.reference import documents_alone
@@ -132,7 +131,21 @@ def test_diag_summaries_compose_to_the_sequential_recurrence() -> None:
     original = rg.RecurrentGemmaRglru(tiny_config(KIND))._rnn_scan
     named = {"hidden_states": x, "recurrent_gate": a, "reset": reset, "recurrent_states": None,
              "acc_dtype": torch.float64}
-    assert summary_width(spec, named) == 2 * width
+    runner = ScanRunner(spec, original, named, "model", False, ())
+    assert runner.algebra.width == 2 * width
+
+    def frag(start: int, n: int):
+        return type("Fragment", (), {"row": 0, "start": start, "length": n})
+
+    def call_fragment(spec, original, named, row, start, n, state=None):
+        out, end = runner._run_model(frag(start, n), None if state is None else (state,), True)
+        return out, end[0]
+
+    def compose(spec, named, summaries):
+        return runner.algebra.fold(summaries, [1] * len(summaries))[0]
+
+    def _transition(spec, original, named, row, start, n):
+        return runner.transitions([frag(start, n)])[0][0]
     ref = _sequential(x, a, reset)
     cuts = [0, 1, 4, 5, 12, length]
     pieces, summaries = [], []

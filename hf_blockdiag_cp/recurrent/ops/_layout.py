@@ -129,6 +129,16 @@ def chunk_layout(seq_lens: list[int], chunk_size: int, device: torch.device) -> 
     )
 
 
+def initial_states(given: torch.Tensor | None, shape: tuple[int, ...], like: torch.Tensor,
+                   dtype: torch.dtype) -> torch.Tensor:
+    """``given`` (one state per sequence, ``shape``) in ``dtype``, zeros like ``like`` when ``None``."""
+    if given is None:
+        return like.new_zeros(shape)
+    if tuple(given.shape) != tuple(shape):
+        raise ValueError(f"initial_state must be {list(shape)} (one state per sequence), got {tuple(given.shape)}")
+    return given.to(dtype)
+
+
 def compute_dtype(*tensors: torch.Tensor | None) -> torch.dtype:
     """fp32 for half/fp32 inputs, fp64 when any input is fp64 (the tests' exact-gradient path)."""
     dtype = torch.float32

@@ -18,7 +18,7 @@ import math
 
 import torch
 
-from ._layout import ChunkLayout, chunk_layout, compute_dtype, scan_states, seq_lens_of
+from ._layout import ChunkLayout, chunk_layout, compute_dtype, initial_states, scan_states, seq_lens_of
 
 
 def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
@@ -114,13 +114,7 @@ def _delta_rule(q, k, v, g, beta, *, scale, initial_state, output_final_state, c
     ch = _Chunked(layout, k_T, g_T, beta_T, v_T, q_T)
     ch.by_step(layout)
     n_seq = len(lens)
-    if initial_state is None:
-        state0 = k_T.new_zeros(n_seq, heads, dk, dv)
-    else:
-        if initial_state.shape != (n_seq, heads, dk, dv):
-            raise ValueError(f"initial_state must be [N={n_seq}, H={heads}, K={dk}, V={dv}], "
-                             f"got {tuple(initial_state.shape)}")
-        state0 = initial_state.to(dtype)
+    state0 = initial_states(initial_state, (n_seq, heads, dk, dv), k_T, dtype)  # [N, H, K, V]
     corrected = []
 
     def step(j: int, rows: slice, state: torch.Tensor) -> torch.Tensor:

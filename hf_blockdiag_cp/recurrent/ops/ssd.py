@@ -14,7 +14,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from ._layout import chunk_layout, compute_dtype, scan_states, seq_lens_of
+from ._layout import chunk_layout, compute_dtype, initial_states, scan_states, seq_lens_of
 
 
 def _discretised_dt(dt: torch.Tensor, dt_bias: torch.Tensor | None, dt_softplus: bool,
@@ -79,13 +79,7 @@ def ssd_chunk_scan(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.
     chunk_decay = acum[:, -1, :].exp()  # [C, H]
 
     n_seq = len(lens)
-    if initial_state is None:
-        state0 = x_T.new_zeros(n_seq, heads, head_dim, state_size)
-    else:
-        if initial_state.shape != (n_seq, heads, head_dim, state_size):
-            raise ValueError(f"initial_state must be [N={n_seq}, H, P, S]=[{n_seq}, {heads}, {head_dim}, "
-                             f"{state_size}], got {tuple(initial_state.shape)}")
-        state0 = initial_state.to(dtype)
+    state0 = initial_states(initial_state, (n_seq, heads, head_dim, state_size), x_T, dtype)  # [N, H, P, S]
 
     decay_s, state_s = layout.steps(chunk_decay), layout.steps(chunk_state)
 

@@ -1,23 +1,18 @@
-"""Serving transformers' recurrent mixers per document: what :func:`~hf_blockdiag_cp.model.prepare_model` installs.
+"""Serving transformers' recurrent mixers per document: the instance hooks :func:`~hf_blockdiag_cp.model.prepare_model`
+installs (the integration layer, beside the attention registration in :mod:`.integration`).
 
-For every mixer of a model that carries private kernel wrappers (``use_kernelized_func``, see :mod:`.functions`),
-the wrapper of each served scan gets an instance ``forward`` (as ``kernels.kernelize`` does) that
+For every mixer of a model listed in :mod:`.mixer_table`, the served callable gets an instance attribute (as
+``kernels.kernelize`` does for a ``use_kernelized_func`` wrapper's ``forward``) that
 
 - passes the call through unchanged when the forward has one document per row (generation, unpacked batches);
-- otherwise runs the model's own function once per fragment (:mod:`.runs`) with a zero initial state, so every
-  scan and causal convolution restarts at each document start (CP = 1), or hands the fragment summaries
-  between CP ranks (:mod:`.state_passing`, CP > 1), or, with ``recurrent_layout="heads"``, splits the call's
-  heads over the CP ranks and runs whole documents (:mod:`.head_parallel`).
+- otherwise binds the call's arguments, drops the packing keywords (the fragments replace them) and hands it to
+  :mod:`hf_blockdiag_cp.recurrent.serve` with the forward's fragments (:class:`~.recurrent.runs.LocalRuns`).
 
-The fragments come from the forward's preparation (the model pre-hook stores them in the probe), so a decoder
-layer that drops the model's keyword arguments (jamba, mamba, falcon_mamba) is served as well as one that
-passes them. Fused GPU paths (:data:`~.functions.FUSED`) are skipped with packed rows (they return ``None``,
-as their torch stand-ins do, and the layer runs its unfused, served path). A windowed module
-(:data:`~.functions.WINDOWED`, or its plain ``nn.Conv1d`` child) gets an instance ``forward`` that runs it once per
-fragment (:func:`~.state_passing.run_window`). A mixer whose scan is an instance method (:data:`~.functions.METHODS`)
-gets an instance attribute of that name, served like a wrapper's ``forward``. A mixer whose recurrence runs inside its
-own ``forward`` (:data:`~.functions.STATEFUL`) gets an instance ``forward`` that runs it whole once per fragment
-(:func:`~.state_passing.run_stateful`).
+The fragments come from the forward's preparation (the model pre-hook; during an activation-checkpoint recompute,
+the forward the recomputed layer belongs to, :mod:`.model.forward_runs`), so a decoder layer that drops the
+model's keyword arguments (jamba, mamba, falcon_mamba) is served as well as one that passes them. Fused GPU paths
+(:data:`~.mixer_table.FUSED`) are skipped with packed rows (they return ``None``, as their torch stand-ins do,
+and the layer runs its unfused, served path).
 """
 
 from __future__ import annotations
@@ -28,29 +23,15 @@ from typing import Any, Callable
 
 import torch
 
-from ..errors import UnsupportedModel
-from .agreement import agree_recurrent
-from .backend import call_backend, op_refusal
-from .fragment_call import bind, call_fragment, time_axis
-from .functions import (
-    COMPOSITES,
-    FUSED,
-    METHODS,
-    SCAN_MODULES,
-    SCANS,
-    STATEFUL,
-    WINDOWED,
-    ScanFunction,
-    conv_window,
-    mixer_functions,
-)
-from .head_parallel import run_heads
-from .op_call import known_arguments, run_ops
-from .runs import LocalRuns
-from .scan_modules import run_scan_module
-from .state_passing import run_cp, run_stateful, run_window
+from .compat import kernel_functions as mixer_functions
+from .errors import UnsupportedModel
+from .mixer_table import COMPOSITES, FUSED, METHODS, SCAN_MODULES, SCANS, STATEFUL, WINDOWED, conv_window
+from .recurrent.runs import LocalRuns
+from .recurrent.serve import serve_scan, serve_scan_module, serve_stateful, serve_window
+from .recurrent.specs import ScanFunction, bind
 
-__all__ = ["INSTALLED_ATTR", "install_recurrent", "is_served", "served_modules", "uninstall_recurrent",
+__all__ = ["INSTALLED_ATTR", "check_signature", "install_recurrent", "is_served", "served_modules",
+           "uninstall_recurrent",
            "unserved_functions"]
 
 #: Attribute on a served private wrapper: the original bound ``forward`` (the model's own function).
@@ -131,7 +112,7 @@ def install_recurrent(model: torch.nn.Module, probe: Any) -> int:
             _install(module, "forward", _window_forward, probe, cls_name)
             continue
         if cls_name in METHODS:
-            _install(module, METHODS[cls_name].name, _method_forward, probe, cls_name)
+            _install(module, METHODS[cls_name].name, _scan_forward, probe, cls_name)
             continue
         if cls_name in STATEFUL:
             _install(module, "forward", _stateful_forward, probe, cls_name)
@@ -172,7 +153,10 @@ def _install(module: torch.nn.Module, attr: str, forward: Callable, probe: Any, 
 def _held_runs(probe: Any) -> LocalRuns | None:
     """The fragments of the forward in progress (or being recomputed in backward); ``None`` for one document per
     row and for a later direct call of a submodule, whose model pre-hook did not run."""
-    return probe.runs if probe.holds_step() else None
+    if not probe.holds_step():
+        return None
+    probe.check_recompute("a recurrent mixer")
+    return probe.runs
 
 
 def _served_call(self: torch.nn.Module) -> tuple[Callable, LocalRuns | None, Any]:
@@ -189,137 +173,68 @@ def _fused_forward(self: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
     return self.__dict__[INSTALLED_ATTR](*args, **kwargs)
 
 
+def _bound(self: torch.nn.Module, spec: Any, args: tuple, kwargs: dict[str, Any]) -> dict[str, Any]:
+    """The call's arguments by name, without the packing keywords (the fragments replace them: a module reading
+    ``seq_idx`` would reset twice)."""
+    named = bind(spec.params, spec.name, args, kwargs)
+    for key in _PACKING_KEYWORDS:
+        named.pop(key, None)
+    return named
+
+
 def _scan_forward(self: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
+    """A served scan (a wrapper's ``forward`` or a :data:`~.mixer_table.METHODS` method): the original, or once per
+    fragment with packed rows."""
     original, runs, probe = _served_call(self)
     if runs is None:
         return original(*args, **kwargs)
     probe.attention_calls += 1
-    return run_fragments(SCANS[self.__dict__[_NAME_KEY]], original, runs, args, kwargs)
-
-
-def _method_forward(self: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
-    """A :data:`~.functions.METHODS` scan method: the original, or once per fragment with packed rows."""
-    original, runs, probe = _served_call(self)
-    if runs is None:
-        return original(*args, **kwargs)
-    probe.attention_calls += 1
-    return run_fragments(METHODS[self.__dict__[_NAME_KEY]], original, runs, args, kwargs)
+    name = self.__dict__[_NAME_KEY]
+    spec = METHODS[name] if name in METHODS else SCANS[name]
+    return serve_scan(spec, original, runs, _bound(self, spec, args, kwargs))
 
 
 def _stateful_forward(self: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
-    """A :data:`~.functions.STATEFUL` module: the original, or once per fragment with packed rows."""
+    """A :data:`~.mixer_table.STATEFUL` module: the original, or once per fragment with packed rows."""
     original, runs, probe = _served_call(self)
     if runs is None:
         return original(*args, **kwargs)
     probe.attention_calls += 1
     spec = STATEFUL[self.__dict__[_NAME_KEY]]
-    named = bind(spec, args, kwargs)
-    for key in _PACKING_KEYWORDS:  # the fragments replace them
-        named.pop(key, None)
+    named = _bound(self, spec, args, kwargs)
     cache = named.pop(spec.cache, None)
     layer = getattr(self, spec.layer_attr)
     if cache is not None and (runs.cp_size > 1 or getattr(cache, spec.cache_get)(layer) is not None):
         raise UnsupportedModel(f"{spec.name} got a cache with packed rows under context parallelism or holding a "
                                "state; blockdiag_cp trains packed rows without a cache (pass use_cache=False)")
-    lead = named[spec.sequence]
-    if lead.shape[0] != runs.batch_size or lead.shape[1] != runs.local_len:
-        raise ValueError(f"{spec.name} got rows [B={lead.shape[0]}, T={lead.shape[1]}] but this forward's packed "
-                         f"batch has [B={runs.batch_size}, L={runs.local_len}]")
-    if runs.cp_size > 1:
-        agree_recurrent(runs.context, lead.device)
-    out, ends = run_stateful(spec, self, original, runs, named)
+    out, ends = serve_stateful(spec, self, original, runs, named)
     if cache is not None:  # a prefill: each row's state is its last fragment's, as the stock forward leaves it
         getattr(cache, spec.cache_set)(layer, ends)
     return out, ends
 
 
 def _scan_module_forward(self: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
-    """A :data:`~.functions.SCAN_MODULES` module: the original, or once per fragment with packed rows."""
+    """A :data:`~.mixer_table.SCAN_MODULES` module: the original, or once per fragment with packed rows."""
     original, runs, probe = _served_call(self)
     if runs is None:
         return original(*args, **kwargs)
     probe.attention_calls += 1
     spec = SCAN_MODULES[self.__dict__[_NAME_KEY]]
-    named = bind(spec, args, kwargs)
-    lead = named[next(iter(spec.time_args))]
-    length = lead.shape[spec.time_args[next(iter(spec.time_args))]]
-    if lead.shape[0] != runs.batch_size or length != runs.local_len:
-        raise ValueError(f"{spec.name} got rows [B={lead.shape[0]}, T={length}] but this forward's packed batch has "
-                         f"[B={runs.batch_size}, L={runs.local_len}]")
-    # xLSTM's backend returns its last states in inference mode always, in training modes when asked (its config's
-    # default when the call does not say).
-    mode = named.get("mode") or self.config.mode
-    want = named.get(spec.state_flag)
-    returns_states = "inference" in mode or bool(self.config.return_last_states if want is None else want)
-    if runs.cp_size > 1:
-        agree_recurrent(runs.context, lead.device)
-    return run_scan_module(spec, original, runs, named, returns_states)
+    named = bind(spec.params, spec.name, args, kwargs)
+    returns = spec.returns_states
+    returns_states = bool(named.get(spec.state_flag)) if returns is None else returns(self, named)
+    return serve_scan_module(spec, original, runs, named, returns_states)
 
 
 def _window_forward(self: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
+    """A :data:`~.mixer_table.WINDOWED` module (or its ``nn.Conv1d`` child): the original, or once per fragment."""
     original, runs, probe = _served_call(self)
     if runs is None:
         return original(*args, **kwargs)
     spec = WINDOWED[self.__dict__[_NAME_KEY]]
-    named = bind(spec, args, kwargs)
-    for key in _PACKING_KEYWORDS:  # the fragments replace them (a module reading seq_idx would reset twice)
-        named.pop(key, None)
-    if spec.cache is not None and named.get(spec.cache) is not None:
-        raise UnsupportedModel(f"{spec.name} got a cache with packed rows; blockdiag_cp trains packed rows without a "
-                               "cache (pass use_cache=False)")
-    window = conv_window(self) if spec.window_attr is None else max(1, int(getattr(self, spec.window_attr)))
-    lead = named[spec.sequence]
-    length = lead.shape[time_axis(lead, spec.time_dim)]
-    if lead.shape[0] != runs.batch_size or length != runs.local_len:
-        raise ValueError(f"{spec.name} got rows [B={lead.shape[0]}, T={length}] but this forward's packed "
-                         f"batch has [B={runs.batch_size}, L={runs.local_len}]")
-    if runs.cp_size > 1:
-        agree_recurrent(runs.context, lead.device)
-    return run_window(spec, original, runs, named, window)
-
-
-def run_fragments(spec: ScanFunction, original: Callable, runs: LocalRuns, args: tuple,
-                  kwargs: dict[str, Any]) -> Any:
-    """Run the model's own function once per fragment, each from a zero state (CP = 1), and reassemble the rows.
-
-    Under CP the fragments that continue a document get their incoming state from :mod:`.state_passing`. When the
-    forward's recurrent backend (:mod:`.backend`) picks an op and the op can express the call, the op runs instead,
-    once over all fragments (:mod:`.op_call`).
-    """
-    named = bind(spec, args, kwargs)
-    for key in _PACKING_KEYWORDS:
-        named.pop(key, None)
-    if spec.state_in is not None and named.get(spec.state_in) is not None:
-        raise UnsupportedModel(f"{spec.name} got an initial state (a cache) with packed rows; blockdiag_cp "
-                                  "trains packed rows without a cache (pass use_cache=False)")
-    lead = named[next(iter(spec.time_args))]
-    length = lead.shape[time_axis(lead, spec.time_args[next(iter(spec.time_args))])]
-    if lead.shape[0] != runs.batch_size or length != runs.local_len:
-        raise ValueError(f"{spec.name} got rows [B={lead.shape[0]}, T={length}] but this forward's packed batch has "
-                         f"[B={runs.batch_size}, L={runs.local_len}]")
-    if runs.cp_size > 1:
-        agree_recurrent(runs.context, lead.device)  # before this step's first recurrent collective
-        if runs.context.config.recurrent_layout == "heads":  # whole documents per rank: the model's own function
-            return run_heads(spec, original, runs, named)
-    backend = call_backend(runs.backend, spec.kind, lead.device)
-    if backend != "model" and op_refusal(spec.kind, named, known_arguments(spec)) is None:
-        return run_ops(spec, backend, runs, named)
-    if runs.cp_size > 1:
-        return run_cp(spec, original, runs, named)
-    want_state = bool(named.get(spec.state_flag)) if spec.state_flag else False
-    rows_out, states = [], []
-    for row in runs.rows:
-        pieces = []
-        for frag in row:
-            out, state = call_fragment(spec, original, named, frag.row, frag.start, frag.length)
-            pieces.append(out)
-        states.append(state)
-        out_row = pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=time_axis(pieces[0], spec.out_dim))
-        rows_out.append(out_row)
-    out = rows_out[0] if len(rows_out) == 1 else torch.cat(rows_out, dim=0)
-    if spec.returns_tuple:
-        return out, (torch.cat(states, 0) if want_state else None)
-    return (out, torch.cat(states, 0)) if want_state else out
+    named = _bound(self, spec, args, kwargs)
+    width = conv_window(self) if spec.window_attr is None else max(1, int(getattr(self, spec.window_attr)))
+    return serve_window(spec, original, runs, named, width)
 
 
 def check_signature(spec: ScanFunction, function: Callable) -> None:

@@ -1,0 +1,147 @@
+"""The one algorithm of every served recurrent call: fragments, summaries, one gather, composition, reassembly.
+
+Legend: a *fragment* is a piece of one document on this rank (:class:`~hf_blockdiag_cp.planning.fragments.Fragment`);
+it *continues* when an earlier piece of its document exists and *sends* when a later one does. A :class:`Runner`
+knows how to run fragments of one call (the model's function, the package's ops, a whole module, a window); its
+:attr:`~Runner.algebra` knows the summaries (:mod:`.algebra`). :func:`run_fragments`:
+
+1. runs from a zero state every fragment that starts its document, every one that sends (its end state from zero is
+   its summary's end), and, when the runner *corrects* (outputs linear in the entering state: ``o(S) = o(0) +
+   read(S)``), every continuing one, once;
+2. under CP gathers every rank's summaries in ONE fixed-shape all-gather (``slots`` per rank, :func:`gather`);
+3. folds each continuing fragment's entering state from the earlier fragments' summaries in document order and
+   either corrects its output or runs it from that state;
+4. reassembles the rows and ties the gather into the output so that every rank runs the gather's backward
+   (:func:`tie`, a zero that does not carry values: a NaN document stays in its document).
+
+At CP = 1 the fragments are the documents (nothing continues): step 1 is the whole call.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, Protocol
+
+import torch
+
+from ..planning.fragments import Fragment
+from .algebra import State, StateAlgebra, Summary
+from .runs import LocalRuns
+
+__all__ = ["Runner", "gather", "run_fragments", "tie"]
+
+
+class Runner(Protocol):
+    """How one call's fragments run (see the module docstring); every method takes fragments of this rank."""
+
+    algebra: StateAlgebra
+    #: outputs are linear in the entering state: continuing fragments run once, before the gather
+    corrects: bool
+    #: the summary is the fragment's last inputs (:class:`~.algebra.WindowAlgebra`), not read off a run
+    window: bool
+    #: the call asks for its final state (CP = 1: each row's last fragment's end state)
+    final: bool
+
+    def run(self, frags: Sequence[Fragment], states: Sequence[State] | None,
+            want_end: bool) -> tuple[list[Any], list[State] | None]:
+        """Outputs (one per fragment, in the runner's form) from ``states`` (``None``: zero states) and, when
+        ``want_end``, the end states."""
+
+    def transitions(self, frags: Sequence[Fragment]) -> list[State]:
+        """Each fragment's transition parts (``window`` runners: the inputs' tail as the end, see :meth:`tails`)."""
+
+    def tails(self, frags: Sequence[Fragment]) -> list[State]:
+        """``window`` runners: each fragment's last inputs (its summary's end)."""
+
+    def partial(self, frags: Sequence[Fragment]) -> tuple[list[Any], list[State], list[State], list[Any]]:
+        """``corrects`` runners: ``(o(0), end from zero, transition, reads)`` of continuing fragments in one pass."""
+
+    def correct(self, out: Any, read: Any, state: State) -> Any:
+        """``corrects`` runners: the output of a fragment entered with ``state``."""
+
+    def assemble(self, outputs: list[Any], ends: list[State] | None) -> Any:
+        """The call's result from every fragment's output in local order (and the end states at CP = 1)."""
+
+
+class _ZeroOf(torch.autograd.Function):
+    """A 0-d zero whose backward reaches ``gathered`` with zeros (``x * 0`` would carry a NaN of ``x``)."""
+
+    @staticmethod
+    def forward(ctx, gathered: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:  # type: ignore[override]
+        ctx.shape, ctx.gdtype = gathered.shape, gathered.dtype
+        return torch.zeros((), dtype=dtype, device=gathered.device)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
+        return grad.new_zeros(ctx.shape, dtype=ctx.gdtype), None
+
+
+def tie(out: Any, gathered: torch.Tensor) -> Any:
+    """``out`` (a tensor or a tuple of them) tied to ``gathered`` by an exact zero: every rank runs the gather's
+    backward (a collective), also one whose fragments use none of it, and no value crosses documents."""
+    if isinstance(out, tuple):
+        return tuple(tie(o, gathered) if isinstance(o, torch.Tensor) and o.is_floating_point() else o for o in out)
+    if not torch.is_grad_enabled():
+        return out
+    return out + _ZeroOf.apply(gathered, out.dtype)
+
+
+def gather(runs: LocalRuns, sent: Sequence[torch.Tensor], width: int, device: torch.device) -> torch.Tensor:
+    """Every rank's summaries ``[P * slots, W]`` fp32 (rank ``r``'s slot ``s`` at row ``r * slots + s``) from this
+    rank's ``sent`` (``[W]`` each, in the plan's send order, zero-padded to ``slots``)."""
+    buffer = torch.zeros(runs.plan.slots, width, dtype=torch.float32, device=device)
+    if sent:
+        buffer = torch.cat([torch.stack([s.float() for s in sent]), buffer[len(sent):]])
+    if torch.is_grad_enabled() and not buffer.requires_grad:
+        buffer.requires_grad_()  # a rank that sends nothing differentiable must still join the backward
+    return runs.gather(buffer)
+
+
+def run_fragments(runner: Runner, runs: LocalRuns, device: torch.device) -> Any:
+    """One served call: see the module docstring. ``runs``: the forward's fragments (and, under CP, its plan)."""
+    frags = list(runs.local)
+    plan = runs.plan
+    rank = runs.rank
+    send = plan.send[rank] if plan is not None else ()
+    sources = plan.sources[rank] if plan is not None else {}
+    sending = set(send)
+    outputs: dict[int, Any] = {}
+    summaries: dict[int, Summary] = {}
+    reads: dict[int, tuple[Any, Any]] = {}
+    zero = [i for i in range(len(frags)) if i not in sources or (i in sending and not runner.window
+                                                                    and not runner.corrects)]
+    want_end = runner.final or (not runner.window and any(i in sending for i in zero))
+    outs, ends = runner.run([frags[i] for i in zero], None, want_end)
+    for j, i in enumerate(zero):
+        if i not in sources:
+            outputs[i] = outs[j]
+        if i in sending and not runner.window:
+            summaries[i] = Summary(ends[j])
+    if plan is None:
+        return runner.assemble([outputs[i] for i in range(len(frags))], ends)
+    continuing = [i for i in sorted(sources)]
+    if runner.corrects and continuing:
+        out0, end0, trans, read = runner.partial([frags[i] for i in continuing])
+        for j, i in enumerate(continuing):
+            reads[i] = (out0[j], read[j])
+            if i in sending:
+                summaries[i] = Summary(end0[j], trans[j])
+    elif not runner.window:
+        movers = [i for i in continuing if i in sending]
+        for i, t in zip(movers, runner.transitions([frags[i] for i in movers])):
+            summaries[i] = Summary(summaries[i].end, t)
+    if runner.window:
+        for i, end in zip(send, runner.tails([frags[i] for i in send])):
+            summaries[i] = Summary(end)
+    algebra = runner.algebra
+    gathered = gather(runs, [algebra.pack(summaries[i]) for i in send], algebra.width, device)
+    states = {i: algebra.fold([gathered[r * plan.slots + s] for r, s in sources[i]],
+                              [plan.fragments[r][plan.send[r][s]].length for r, s in sources[i]])
+              for i in continuing}
+    if runner.corrects:
+        for i in continuing:
+            outputs[i] = runner.correct(reads[i][0], reads[i][1], states[i])
+    elif continuing:
+        outs, _ = runner.run([frags[i] for i in continuing], [states[i] for i in continuing], False)
+        outputs.update(zip(continuing, outs))
+    return tie(runner.assemble([outputs[i] for i in range(len(frags))], None), gathered)
