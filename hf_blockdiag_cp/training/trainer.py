@@ -44,6 +44,7 @@ from .consistency import check_parameters_consistent
 from .data import shard_loader
 from .mesh import check_group_timeouts, cp_coordinates
 from .predict import gather_over_dp, gather_row_order, mean_over_cp, preprocess_local
+from .shutdown import close_process_groups_at_exit, settle_collectives
 
 __all__ = ["CPTrainer"]
 
@@ -330,7 +331,10 @@ class CPTrainer(Trainer):
         return count if count is None else max(count, 1)
 
     def train(self, *args: Any, **kwargs: Any) -> Any:
-        """Undo what an ``evaluate()`` before ``train()`` leaves behind (a bug of the stock Trainer too).
+        """The stock ``train``; on several processes the process groups are destroyed at a normal exit (see
+        :mod:`~hf_blockdiag_cp.training.shutdown`: a finished gloo job could otherwise hang or abort while exiting).
+
+        Also undoes what an ``evaluate()`` before ``train()`` leaves behind (a bug of the stock Trainer too).
 
         ``evaluation_loop`` prepares the bare model with ``accelerator.prepare_model(evaluation_mode=True)``,
         which wraps nothing but marks it ``_is_accelerate_prepared``; ``train()`` then gets it back unwrapped:
@@ -339,7 +343,13 @@ class CPTrainer(Trainer):
         model = self.model
         if self.args.world_size > 1 and self.model_wrapped is model and accelerate_prepared(model):
             forget_accelerate_prepared(self.accelerator, model)
-        return super().train(*args, **kwargs)
+        output = super().train(*args, **kwargs)
+        if self.args.world_size > 1:
+            # The run ended well: let gloo's workers free the last collectives now (a script that drops the trainer
+            # next would otherwise free its groups under the GIL) and end the groups at exit (see shutdown.py).
+            settle_collectives()
+            close_process_groups_at_exit()
+        return output
 
     def training_step(self, *args: Any, **kwargs: Any) -> torch.Tensor:
         """The stock step, under ``save_on_cpu`` with ``offload_activations`` (the backward inside the step unpacks)."""
