@@ -226,6 +226,7 @@ def main(argv: list[str] | None = None) -> dict:
     if args.output_dir:
         trainer.save_model(args.output_dir)
     trainer.accelerator.wait_for_everyone()
+    bd.training.close_process_groups()  # after the last collective: exit 0, no gloo hang or abort at exit
     trainer.accelerator.end_training()
     return summary
 

@@ -256,6 +256,7 @@ def main(argv: list[str] | None = None) -> dict:
             accelerator.unwrap_model(model).save_pretrained(args.output_dir, state_dict=state)
             logger.info("saved the model to %s", args.output_dir)
     accelerator.wait_for_everyone()
+    bd.training.close_process_groups()  # after the last collective: exit 0, no gloo hang or abort at exit
     accelerator.end_training()
     return summary
 

@@ -345,6 +345,7 @@ def main(argv: list[str] | None = None) -> dict:
                 f"{k} {v:.1e}" for k, v in parity["relative_grad_diff"].items()))
         report(summary, args.summary_json)
     accelerator.wait_for_everyone()
+    bd.training.close_process_groups()  # after the last collective: exit 0, no gloo hang or abort at exit
     accelerator.end_training()
     return summary
 

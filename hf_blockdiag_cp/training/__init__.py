@@ -1,5 +1,5 @@
 """Training on a (dp, cp) mesh: the mesh, data sharding over dp, loss normalisation, set-up checks,
-parameter consistency across the CP group.
+parameter consistency across the CP group, ending the process groups at exit.
 
 ``CPTrainer`` is loaded on first use: importing ``transformers.trainer`` is most of the package's
 import time, and every spawned rank would pay it even when it never builds a Trainer.
@@ -16,6 +16,7 @@ from .consistency import ParameterMismatchError, check_parameters_consistent
 from .data import DataParallelShard, dp_dataloader
 from .loss import global_num_items, normalize_num_items, reduce_loss_for_logging
 from .mesh import CPCoordinates, check_group_timeouts, cp_coordinates, init_device_mesh, ulysses_groups
+from .shutdown import close_process_groups
 
 if TYPE_CHECKING:
     from .trainer import CPTrainer
@@ -32,6 +33,7 @@ __all__ = [
     "ParameterMismatchError",
     "check_chunked_loss",
     "check_collator",
+    "close_process_groups",
     "check_parameters_consistent",
     "chunked_causal_lm_loss",
     "check_group_timeouts",

@@ -21,6 +21,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.utils.data import DataLoader, Dataset, IterableDataset
 from transformers import Trainer, TrainerCallback, TrainingArguments
@@ -44,6 +45,7 @@ from .consistency import check_parameters_consistent
 from .data import shard_loader
 from .mesh import check_group_timeouts, cp_coordinates
 from .predict import gather_over_dp, gather_row_order, mean_over_cp, preprocess_local
+from .shutdown import close_process_groups_at_exit, settle_collectives
 
 __all__ = ["CPTrainer"]
 
@@ -253,7 +255,7 @@ class CPTrainer(Trainer):
             dataset, dp_rank, dp_size, collate_fn=collator, batch_size=batch_size,
             shuffle=is_training and not iterable and args.train_sampling_strategy == "random",
             seed=args.data_seed if args.data_seed is not None else args.seed, drop_last=args.dataloader_drop_last,
-            endless=iterable and is_training,
+            endless=iterable and is_training, repeats_without_targets=is_training,
             num_workers=args.dataloader_num_workers, pin_memory=args.dataloader_pin_memory,
             persistent_workers=args.dataloader_persistent_workers,
             multiprocessing_context=args.dataloader_multiprocessing_context,
@@ -330,7 +332,10 @@ class CPTrainer(Trainer):
         return count if count is None else max(count, 1)
 
     def train(self, *args: Any, **kwargs: Any) -> Any:
-        """Undo what an ``evaluate()`` before ``train()`` leaves behind (a bug of the stock Trainer too).
+        """The stock ``train``; on several processes the process groups are destroyed at a normal exit (see
+        :mod:`~hf_blockdiag_cp.training.shutdown`: a finished gloo job could otherwise hang or abort while exiting).
+
+        Also undoes what an ``evaluate()`` before ``train()`` leaves behind (a bug of the stock Trainer too).
 
         ``evaluation_loop`` prepares the bare model with ``accelerator.prepare_model(evaluation_mode=True)``,
         which wraps nothing but marks it ``_is_accelerate_prepared``; ``train()`` then gets it back unwrapped:
@@ -339,7 +344,27 @@ class CPTrainer(Trainer):
         model = self.model
         if self.args.world_size > 1 and self.model_wrapped is model and accelerate_prepared(model):
             forget_accelerate_prepared(self.accelerator, model)
-        return super().train(*args, **kwargs)
+        output = super().train(*args, **kwargs)
+        if self.args.world_size > 1:
+            # The run ended well: let gloo's workers free the last collectives now (a script that drops the trainer
+            # next would otherwise free its groups under the GIL) and end the groups at exit (see shutdown.py).
+            settle_collectives()
+            close_process_groups_at_exit()
+        return output
+
+    def _finalize_training(self, trial: Any, num_train_samples: int, start_time: float) -> Any:
+        """The stock end of ``train``, the loss of the steps since the last log first averaged over all processes.
+
+        The stock one adds this process's own sum of those steps to the (already global) logged ones, so
+        ``TrainOutput.training_loss`` and the logged ``train_loss`` were each rank's shard under CP (each process's
+        rows under DP). The mean over processes is what the logging steps use (``nested_gather(...).mean()``).
+        """
+        pending = getattr(self, "_tr_loss", None)
+        if self.args.world_size > 1 and isinstance(pending, torch.Tensor) and dist.is_initialized():
+            total = pending.detach().clone()
+            dist.all_reduce(total)  # every process ends train() here: one collective over the world
+            pending.copy_(total / dist.get_world_size())
+        return super()._finalize_training(trial, num_train_samples, start_time)
 
     def training_step(self, *args: Any, **kwargs: Any) -> torch.Tensor:
         """The stock step, under ``save_on_cpu`` with ``offload_activations`` (the backward inside the step unpacks)."""

@@ -84,6 +84,12 @@ def _reference(map_style: bool) -> list[tuple[float, float]]:
 
 def _train(tmp: str, cp_size: int | None, accumulation: int, workers: int, map_style: bool) -> list:
     """``(loss, grad_norm)`` per step logged by ``CPTrainer`` (``cp_size=None``: ``mesh=None``)."""
+    return _train_run(tmp, cp_size, accumulation, workers, map_style)[0]
+
+
+def _train_run(tmp: str, cp_size: int | None, accumulation: int, workers: int, map_style: bool,
+               logging_steps: int = 1, collator=None) -> tuple[list, float]:
+    """``(logged (loss, grad_norm) per logging step, TrainOutput.training_loss)`` of a ``CPTrainer`` run."""
     import torch
     from transformers import TrainingArguments
 
@@ -92,7 +98,7 @@ def _train(tmp: str, cp_size: int | None, accumulation: int, workers: int, map_s
 
     mesh = None if cp_size is None else bd.init_device_mesh(cp_size)
     args = TrainingArguments(output_dir=tmp, use_cpu=True, report_to=[], save_strategy="no", disable_tqdm=True,
-                             logging_steps=1, max_steps=STEPS, per_device_train_batch_size=1,
+                             logging_steps=logging_steps, max_steps=STEPS, per_device_train_batch_size=1,
                              gradient_accumulation_steps=accumulation, max_grad_norm=CLIP,
                              lr_scheduler_type="constant", warmup_steps=0, seed=7, ddp_find_unused_parameters=False,
                              train_sampling_strategy="sequential", dataloader_num_workers=workers)
@@ -100,11 +106,12 @@ def _train(tmp: str, cp_size: int | None, accumulation: int, workers: int, map_s
     dataset = _packed()
     if map_style:
         dataset = list(dataset)
-    collator = bd.PackingCollator(SEQ_LEN, pad_token_id=0, group=None if mesh is None else mesh["cp"])
+    if collator is None:
+        collator = bd.PackingCollator(SEQ_LEN, pad_token_id=0, group=None if mesh is None else mesh["cp"])
     trainer = bd.CPTrainer(model=model, args=args, train_dataset=dataset, data_collator=collator, mesh=mesh,
                            optimizers=(torch.optim.SGD(model.parameters(), lr=LR), None))
-    trainer.train()
-    return [(h["loss"], h["grad_norm"]) for h in trainer.state.log_history if "loss" in h]
+    output = trainer.train()
+    return [(h["loss"], h["grad_norm"]) for h in trainer.state.log_history if "loss" in h], output.training_loss
 
 
 def _assert_same(label: str, got: list, want: list) -> None:
@@ -147,3 +154,56 @@ def test_cp2_and_dp2_cp2_match_the_one_process_run(tmp_path):
     for runs in results:
         for label, logged in runs.items():
             _assert_same(label, logged, epochs if "map-style" in label else stream)
+
+
+def _assert_exact(label: str, got: list, want: list) -> None:
+    """Step for step, loss and grad norm within 1e-5 (issue 35's bound)."""
+    assert len(got) == len(want) == STEPS, (label, got)
+    for step, ((loss, norm), (ref_loss, ref_norm)) in enumerate(zip(got, want)):
+        assert abs(loss - ref_loss) <= 1e-5, f"{label} step {step}: loss {loss} != {ref_loss}"
+        assert abs(norm - ref_norm) <= 1e-5, f"{label} step {step}: grad norm {norm} != {ref_norm}"
+
+
+def _collate_without_topology(examples):
+    import hf_blockdiag_cp as bd
+
+    return bd.PackingCollator(SEQ_LEN, pad_token_id=0)(examples)
+
+
+def _dp2_map_and_final_loss_worker(rank: int, world: int, tmp: str) -> dict:
+    """dp = 2 on a map-style pass of 7 rows (each pass repeats one row), and the final training loss at CP = 2 and
+    dp = 2 when the last steps are not logged (logging every 3 of 8 steps)."""
+    import hf_blockdiag_cp as bd
+    from hf_blockdiag_cp.errors import Refusal
+
+    runs = {"dp2 map-style": _train_run(f"{tmp}/m", 1, 1, 0, True),
+            "dp2 map-style workers=2": _train_run(f"{tmp}/w", 1, 1, 2, True),
+            "dp2 map-style unlogged end": _train_run(f"{tmp}/ml", 1, 1, 0, True, logging_steps=3),
+            "cp2 unlogged end": _train_run(f"{tmp}/c", 2, ROWS_PER_STEP, 0, False, logging_steps=3)}
+    try:  # a collator that may not read the examples' labels: the repeats could not be kept out of the loss
+        _train_run(f"{tmp}/r", 1, 1, 0, True, collator=_collate_without_topology)
+    except Refusal as err:
+        runs["refusal"] = str(err)
+    assert bd.training.close_process_groups() is True  # every group, the mesh's included
+    return runs
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_dp2_map_style_pass_and_final_training_loss_match_one_process(tmp_path):
+    """Issue 35 items 6 and 8: a map-style pass that does not divide over dp = 2 trains what one process trains
+    (DistributedSampler's repeated row reaches the step without targets), and ``training_loss`` is the global value on
+    every rank (the steps after the last log were each rank's own share)."""
+    stream, epochs = _reference(False), _reference(True)
+    results = run_ranks(_dp2_map_and_final_loss_worker, 2, str(tmp_path), timeout=400, env=_rank_env(2))
+    for runs in results:
+        for label in ("dp2 map-style", "dp2 map-style workers=2"):
+            _assert_exact(label, runs[label][0], epochs)
+        for label, reference in (("dp2 map-style unlogged end", epochs), ("cp2 unlogged end", stream)):
+            want = sum(loss for loss, _ in reference) / STEPS
+            got = runs[label][1]
+            assert abs(got - want) <= 1e-5, f"{label}: training_loss {got} != one process {want}"
+        message = runs["refusal"]
+        assert "dp_size=2" in message and "dataloader_drop_last=True" in message and "PackingCollator" in message
+    for label in ("dp2 map-style unlogged end", "cp2 unlogged end"):
+        assert results[0][label][1] == results[1][label][1], (label, results[0][label][1], results[1][label][1])
