@@ -7,19 +7,21 @@ Nothing here downloads anything unless asked to (a hub id for ``--model`` / a da
 from __future__ import annotations
 
 import argparse
-import contextlib
 import glob
 import json
 import os
 import sys
 import sysconfig
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # as when an example runs: its siblings import
+
+from setup_errors import check_paths, launched_rank, one_line_errors  # noqa: E402,F401  (the examples' names)
 
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_MODEL = str(ROOT / "configs" / "model" / "tiny-llama.json")
@@ -309,11 +311,6 @@ def trainer_arguments(args: argparse.Namespace, config: Any, output_dir: str) ->
         bf16=args.mixed_precision == "bf16", fp16=args.mixed_precision == "fp16")
 
 
-def launched_rank() -> int:
-    """This process's global rank as the launcher set it (0 without a launcher)."""
-    return int(os.environ.get("RANK", "0"))
-
-
 def quiet_other_ranks() -> None:
     """Only the main process prints progress bars and library INFO/WARNING logs (``datasets``' and TRL's dataset
     preparation, transformers' logging); the others print errors only."""
@@ -331,73 +328,6 @@ def quiet_other_ranks() -> None:
     datasets.utils.logging.set_verbosity_error()
 
 
-#: transformers' message when ``attn_implementation="blockdiag_cp"`` was never registered.
-_NOT_REGISTERED = 'attn_implementation="blockdiag_cp"` is not supported'
-
-
-@contextlib.contextmanager
-def one_line_errors() -> Iterator[None]:
-    """Set-up mistakes end the run with one line on the main process (exit status 2) instead of a traceback on
-    every rank: the package's refusals and the examples' checks (``ValueError`` / ``NotImplementedError`` raised in
-    ``hf_blockdiag_cp`` or ``examples``, whose messages name the fix; ``SystemExit`` with a message) and transformers'
-    unknown ``attn_implementation="blockdiag_cp"`` (with the hint). Wrap the set-up only: it is the same on every
-    rank, while an error during training may come from one rank alone and keeps its traceback."""
-    try:
-        yield
-    except SystemExit as err:
-        if not isinstance(err.code, str):
-            raise
-        _exit_with(err.code)
-    except (ValueError, NotImplementedError) as err:
-        message = str(err)
-        if _NOT_REGISTERED in message:
-            message = ('attn_implementation="blockdiag_cp" is not registered with transformers: '
-                       "`import hf_blockdiag_cp` before loading the model (the import registers it)")
-        elif not _raised_here(err):
-            raise
-        _exit_with(f"{type(err).__name__}: {message}")
-
-
-def _raised_here(err: BaseException) -> bool:
-    """Whether ``err`` was raised by the package or by an example (not by a library they call)."""
-    tb = err.__traceback__
-    while tb is not None and tb.tb_next is not None:
-        tb = tb.tb_next
-    if tb is None:
-        return False
-    module = str(tb.tb_frame.f_globals.get("__name__", ""))
-    in_examples = Path(tb.tb_frame.f_code.co_filename).resolve().parent == ROOT / "examples"
-    return module.split(".")[0] == "hf_blockdiag_cp" or in_examples
-
-
-#: Seconds a process other than the main one waits before it exits on a set-up error. The main process meets the
-#: same error, prints it and exits, and the launcher (torchrun) then ends the others; were another process to exit
-#: first, torchrun would end the main one before it printed anything (seen on a loaded machine).
-OTHER_RANKS_EXIT_AFTER_S = 10.0
-
-
-def _exit_with(message: str) -> None:
-    if launched_rank() == 0:
-        print(f"error: {message}", file=sys.stderr, flush=True)
-        _write_launcher_error(f"error: {message}")
-    else:
-        time.sleep(OTHER_RANKS_EXIT_AFTER_S)
-    raise SystemExit(2)
-
-
-def _write_launcher_error(line: str) -> None:
-    """Give torchrun (and ``accelerate launch``) the one line as this rank's error: its failure report, printed
-    after the ranks exit, then ends with ``traceback : <line>`` instead of "To enable traceback see ..."."""
-    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
-    if not path:
-        return
-    try:
-        with open(path, "w", encoding="utf-8") as fh:
-            json.dump({"message": line, "timestamp": int(time.time())}, fh)
-    except OSError:
-        pass  # the line is on stderr already
-
-
 def exchange_label(ctx) -> str:
     """What moved K/V in the step of context ``ctx``: the head all-to-all of a head-parallel layout (``u > 1``),
     the exchange strategy between sequence groups, both, or ``none``."""
@@ -412,6 +342,7 @@ def exchange_label(ctx) -> str:
 def check_common_args(args: argparse.Namespace) -> None:
     """Mistakes in the shared options, found before any rank starts work (``SystemExit`` with one line; call it
     inside :func:`one_line_errors`). The CP size comes from the launcher's ``WORLD_SIZE``, as the run will."""
+    check_paths(args)
     if args.max_docs is not None and args.max_docs < 1:
         raise SystemExit(f"--max-docs {args.max_docs}: give at least 1 document (or leave it out to use them all)")
     if args.seq_len < 1:

@@ -102,10 +102,10 @@ _NEWCOMER_SCRIPT = """
 import json, sys, warnings
 sys.path.insert(0, "examples")
 import transformers
-import common
+import setup_errors
 from common import example_parser, one_line_errors, quiet_other_ranks, trainer_arguments
 
-common.OTHER_RANKS_EXIT_AFTER_S = 0.0  # what it prints is checked here; the wait: test_other_ranks_wait_...
+setup_errors.OTHER_RANKS_EXIT_AFTER_S = 0.0  # what it prints is checked here; the wait: test_other_ranks_wait_...
 
 config = transformers.LlamaConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
                                   num_key_value_heads=1, vocab_size=64)
@@ -195,10 +195,11 @@ def test_other_ranks_wait_before_exiting_on_a_set_up_error(monkeypatch, capsys):
 
     sys.path.insert(0, str(ROOT / "examples"))
     import common
+    import setup_errors
 
     waits = []
-    monkeypatch.setattr(common.time, "sleep", waits.append)
-    for rank, expected_waits in (("1", [common.OTHER_RANKS_EXIT_AFTER_S]), ("0", [])):
+    monkeypatch.setattr(setup_errors.time, "sleep", waits.append)
+    for rank, expected_waits in (("1", [setup_errors.OTHER_RANKS_EXIT_AFTER_S]), ("0", [])):
         waits.clear()
         monkeypatch.setenv("RANK", rank)
         with pytest.raises(SystemExit) as exit_:
@@ -207,7 +208,7 @@ def test_other_ranks_wait_before_exiting_on_a_set_up_error(monkeypatch, capsys):
         assert exit_.value.code == 2 and waits == expected_waits
         err = capsys.readouterr().err
         assert err == ("" if rank == "1" else "error: --cp-size 3 does not divide the 2 launched processes\n"), err
-    assert common.OTHER_RANKS_EXIT_AFTER_S >= 5
+    assert setup_errors.OTHER_RANKS_EXIT_AFTER_S >= 5
 
 
 @pytest.mark.parametrize(("argv", "world", "message"), [
@@ -249,3 +250,65 @@ def test_example_with_a_tiny_hybrid_model_keeps_parity(tmp_path):
     result = _launch(tmp_path, "--cp-size", "2", "--seq-len", "512", "--steps", "2", "--max-docs", "24",
                      "--model", "configs/model/tiny-qwen3-next.json", "--check-parity", launcher=False)
     assert result["parity"]["abs_loss_diff"] <= 1e-5 and result["parity"]["max_grad_diff"] <= 1e-4
+
+
+# ---- set-up mistakes under the real launcher: the user's last line is the example's ----------------------
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+@pytest.mark.parametrize(("script", "argv", "line"), [
+    ("train_packed_cp.py", ("--model", "/nonexistent/model"),
+     "error: --model /nonexistent/model: no such file or directory (give a config *.json, a local model directory "
+     "or a hub id such as namespace/name)"),
+    ("sft_trl_cp.py", ("--data", "missing/docs.jsonl"), "error: --data missing/docs.jsonl: no such file or directory"),
+    ("trainer_packed_cp.py", ("--cp-size", "3"),
+     "error: --cp-size 3 does not divide the 2 launched processes: use a --cp-size that does (1, 2), or launch a "
+     "multiple of 3 processes"),
+])
+def test_set_up_mistake_under_accelerate_launch_ends_with_the_examples_line(script, argv, line):
+    """Issue 35 item 9: no hub error for a missing path, no launcher traceback after the line (the example stops
+    the launcher, which then exits 143 without a report); only torch's agent logs its shutdown before it."""
+    proc = launch_example(script, *argv, "--steps", "1", "--no-progress", timeout=180)
+    lines = [text for text in proc.output.splitlines() if text.strip()]
+    assert proc.returncode == 143, proc.output[-4000:]
+    assert lines[-1] == line, proc.output[-4000:]
+    assert len(lines) <= 6 and "Traceback" not in proc.output and proc.output.count("error:") == 1, proc.output
+
+
+def test_paths_that_do_not_exist_are_named_and_hub_ids_are_left_to_the_library(tmp_path):
+    import argparse
+    import sys
+
+    sys.path.insert(0, str(ROOT / "examples"))
+    import setup_errors
+
+    def line(model: str, data: str | None = None) -> str | None:
+        try:
+            setup_errors.check_paths(argparse.Namespace(model=model, data=data))
+        except SystemExit as exit_:
+            return exit_.code
+        return None
+
+    for missing in ("/nonexistent/model", "./model", "../model", "~/model", "configs/missing.json", "a/b/c"):
+        assert line(missing) == (f"--model {missing}: no such file or directory (give a config *.json, a local "
+                                 "model directory or a hub id such as namespace/name)"), missing
+    for fine in ("Qwen/Qwen2.5-0.5B", "gpt2", str(tmp_path), str(ROOT / "configs" / "model" / "tiny-llama.json")):
+        assert line(fine) is None, fine
+    assert line("gpt2", str(tmp_path / "docs.jsonl")) == f"--data {tmp_path / 'docs.jsonl'}: no such file or directory"
+    for fine in (None, "stdlib", "wikitext:wikitext-2-raw-v1", str(tmp_path / "*.txt")):
+        assert line("gpt2", fine) is None, fine
+
+
+def test_only_an_accelerate_launch_parent_is_ever_signalled(monkeypatch):
+    """Outside ``accelerate launch`` (a shell, pytest, a test's fork server, torchrun) the example never signals its
+    parent: it prints the line itself."""
+    import sys
+
+    sys.path.insert(0, str(ROOT / "examples"))
+    import setup_errors
+
+    monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
+    assert setup_errors.accelerate_agent_pid() is None
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "x")
+    assert setup_errors.accelerate_agent_pid() is None  # the parent here is pytest's (or xdist's) process

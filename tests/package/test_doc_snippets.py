@@ -1,12 +1,11 @@
-"""Every fenced ``python`` block of README.md and docs/*.md runs as written (issue 28).
+"""Every fenced ``python`` block of README.md and docs/*.md runs as written (issues 28 and 35).
 
-A block runs on 2 gloo ranks under a launcher's environment (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR`` of a store
-the test process serves, and no process group yet: whatever the block builds first creates it, as under
-``torchrun``), in a namespace that holds only what a reader brings: ``path``/``name`` (a tiny Llama saved on disk),
-``tok``/``tokenizer`` (a byte tokenizer), ``tokenized_docs``/``tokenized_dataset``/``docs`` (tokenised documents),
-``ds`` (``{"train", "test"}`` ``datasets.Dataset`` of text), ``seq_len``, ``cp_size``, ``bd`` (the package, as
-every page imports it); ``model`` and ``mesh`` only
-for a block that uses them without making them. Markers on the line before a fence:
+A page is one reader's session: its blocks run top to bottom in one namespace that starts EMPTY (builtins only),
+on 2 gloo ranks under a launcher's environment (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR`` of a store the test
+process serves, and no process group yet: whatever the blocks build first creates it, as under ``torchrun``). A
+page whose blocks need a model, a tokenizer or data starts with a setup block of stand-ins (tiny, random, offline)
+and says so; nothing is injected by the test. :func:`test_every_block_reads_only_names_its_page_defines` checks
+that statically (fast); :func:`test_doc_page_runs_as_written` runs each page. Markers on the line before a fence:
 
 - ``<!-- docs-test: skip REASON -->``: not run (signatures, fragments); counted and listed by
   :func:`test_skipped_blocks_are_few_and_say_why`;
@@ -16,6 +15,7 @@ for a block that uses them without making them. Markers on the line before a fen
 from __future__ import annotations
 
 import ast
+import builtins
 import re
 from pathlib import Path
 
@@ -63,87 +63,67 @@ def _runnable(code: str, markers: list) -> str:
     return code
 
 
-def _free_names(code: str) -> set[str]:
-    """Names the block reads without assigning them first (roughly: loaded but never stored or imported)."""
+def _pages() -> dict[str, list[tuple[int, str]]]:
+    """``{page: [(line, runnable code), ...]}`` of every page with a block that is not skipped."""
+    pages: dict[str, list[tuple[int, str]]] = {}
+    for f in FILES:
+        blocks = [(line, _runnable(code, markers)) for line, code, markers in python_blocks(f.read_text("utf-8"))
+                  if not any(kind == "skip" for kind, _ in markers)]
+        if blocks:
+            pages[str(f.relative_to(ROOT))] = blocks
+    return pages
+
+
+def _defined(tree: ast.AST) -> set[str]:
+    """Names a block binds: assignments, imports, functions, classes, arguments."""
+    names = {n.id for n in ast.walk(tree) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store)}
+    names |= {(a.asname or a.name).split(".")[0] for n in ast.walk(tree) if isinstance(n, (ast.Import, ast.ImportFrom))
+              for a in n.names}
+    names |= {n.name for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.ClassDef))}
+    return names | {n.arg for n in ast.walk(tree) if isinstance(n, ast.arg)}
+
+
+def _free_names(code: str, known: set[str] = frozenset()) -> set[str]:
+    """Names the block reads that neither it, ``known`` (earlier blocks of the page) nor builtins define."""
     tree = ast.parse(code)
-    stored = {n.id for n in ast.walk(tree) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store)}
-    stored |= {(a.asname or a.name).split(".")[0] for n in ast.walk(tree) if isinstance(n, (ast.Import, ast.ImportFrom))
-               for a in n.names}
-    stored |= {n.name for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.ClassDef))}
-    stored |= {n.arg for n in ast.walk(tree) if isinstance(n, ast.arg)}
     loaded = {n.id for n in ast.walk(tree) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load)}
-    return loaded - stored
+    return loaded - _defined(tree) - set(known) - set(dir(builtins))
 
 
-def _reader_namespace(tmp: str, rank: int) -> dict:
-    """What a reader brings to a snippet (see the module docstring), all small and offline."""
-    import json
-
-    import datasets
-    import torch
-    import transformers
-
-    import examples.common as common
-
-    tokenizer = common.byte_chat_tokenizer()
-    with open(ROOT / "configs" / "model" / "tiny-llama.json", encoding="utf-8") as fh:
-        config = json.load(fh)
-    config.update(vocab_size=len(tokenizer), pad_token_id=tokenizer.pad_token_id,
-                  eos_token_id=tokenizer.eos_token_id, bos_token_id=tokenizer.bos_token_id)
-    torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.for_model(**config))
-    path = f"{tmp}/model{rank}"
-    model.save_pretrained(path)
-    texts = [f"Document {i}: " + "packed rows of documents " * (1 + i % 4) for i in range(12)]
-    tokenized = [{"input_ids": tokenizer(t)["input_ids"] + [tokenizer.eos_token_id]} for t in texts]
-    import hf_blockdiag_cp as bd
-
-    return {"bd": bd, "path": path, "name": path, "tok": tokenizer, "tokenizer": tokenizer, "tokenized_docs": tokenized,
-            "tokenized_dataset": tokenized, "docs": tokenized, "seq_len": 64, "cp_size": 2,
-            "ds": {"train": datasets.Dataset.from_list([{"text": t} for t in texts]),
-                   "test": datasets.Dataset.from_list([{"text": t} for t in texts[:4]])}}
+def test_every_block_reads_only_names_its_page_defines() -> None:
+    """The NameErrors a reader would meet, found without running anything: each runnable block reads only names
+    that it or an earlier block of its page defines."""
+    problems = []
+    for page, blocks in _pages().items():
+        known: set[str] = set()
+        for line, code in blocks:
+            missing = _free_names(code, known)
+            if missing:
+                problems.append(f"{page}:{line} reads {sorted(missing)}")
+            known |= _defined(ast.parse(code))
+    assert not problems, problems
 
 
-def _run_block(rank: int, world: int, code: str, tmp: str) -> str:
-    import builtins
+def _run_page(rank: int, world: int, blocks: list[tuple[int, str]], tmp: str) -> str:
     import os
 
-    import transformers
-
-    import hf_blockdiag_cp as bd
-
-    os.chdir(f"{tmp}")  # output_dir="out" and the like land in the test's directory
-    namespace = _reader_namespace(tmp, rank)
-    free = _free_names(code)
-    if "model" in free:
-        namespace["model"] = transformers.AutoModelForCausalLM.from_pretrained(namespace["path"],
-                                                                               attn_implementation="blockdiag_cp")
-    if "mesh" in free:
-        namespace["mesh"] = bd.init_device_mesh(2)
-    missing = sorted(free - set(namespace) - set(dir(builtins)))
-    assert not missing, f"the block reads names nobody defines: {missing}"
-    exec(compile(code, "<doc block>", "exec"), {"__name__": "__doc_block__", **namespace})
+    os.chdir(tmp)  # output_dir="out" and the like land in the test's directory
+    namespace: dict = {"__name__": "__doc_page__"}
+    for line, code in blocks:
+        exec(compile(code, f"<doc block at line {line}>", "exec"), namespace)
     return "ok"
 
 
 def _rank_env(world: int) -> dict[int, dict[str, str]]:
-    return {r: {"LOCAL_RANK": str(r), "LOCAL_WORLD_SIZE": str(world), "OMP_NUM_THREADS": "1"} for r in range(world)}
-
-
-def _params() -> list:
-    params = []
-    for where, code, markers in _all_blocks():
-        skip = [argument for kind, argument in markers if kind == "skip"]
-        marks = [pytest.mark.skip(reason=f"docs-test: skip {skip[0]}")] if skip else []
-        params.append(pytest.param(code, markers, id=where, marks=marks))
-    return params
+    return {r: {"LOCAL_RANK": str(r), "LOCAL_WORLD_SIZE": str(world), "OMP_NUM_THREADS": "1",
+                "HF_HUB_OFFLINE": "1"} for r in range(world)}
 
 
 @pytest.mark.distributed
 @pytest.mark.slow
-@pytest.mark.parametrize(("code", "markers"), _params())
-def test_doc_block_runs_as_written(code: str, markers: list, tmp_path) -> None:
-    assert run_ranks(_run_block, 2, _runnable(code, markers), str(tmp_path), timeout=400, env=_rank_env(2),
+@pytest.mark.parametrize("page", sorted(_pages()))
+def test_doc_page_runs_as_written(page: str, tmp_path) -> None:
+    assert run_ranks(_run_page, 2, _pages()[page], str(tmp_path), timeout=400, env=_rank_env(2),
                      init_group=False) == ["ok", "ok"]
 
 
@@ -161,4 +141,5 @@ def test_markers_are_read() -> None:
     text = "x\n<!-- docs-test: skip GPU only -->\n```python\na = 1\n```\n```python\nb = a\n```\n"
     (first, second) = python_blocks(text)
     assert first[2] == [("skip", "GPU only")] and second[2] == [] and _free_names(second[1]) == {"a"}
+    assert _free_names(second[1], {"a"}) == set()
     assert _runnable("max_steps=1000\n", [("replace", "max_steps=1000 => max_steps=2")]) == "max_steps=2\n"

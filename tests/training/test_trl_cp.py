@@ -7,7 +7,8 @@
     padding), equal one process running every document alone through stock sdpa;
 (b) on one process, TRL's other dataset types (plain prompt/completion, plain text, one example per row) give the
     eval_loss of the documents run alone, with TRL's completion mask;
-(c) set-ups CPSFTTrainer cannot run exactly are refused with the setting named.
+(c) set-ups CPSFTTrainer cannot run exactly are refused with the setting named;
+(d) 12 steps at CP = 2 log the loss and grad norm of one process, in float32 and float64.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import math
 
 import pytest
 
-from tests.launch import run_example
+from tests.launch import run_example, run_ranks
 
 pytest.importorskip("trl")
 pytest.importorskip("datasets")
@@ -108,3 +109,69 @@ def test_refused_setups_name_the_setting(tmp_path):
     sdpa_model, _, _ = _setup("text")
     sdpa_model.set_attn_implementation("sdpa")
     assert "attn_implementation" in message(model=sdpa_model, args=_sft_args(tmp_path))
+
+
+# ---- the trajectory at CP = 2 equals one process ---------------------------------------------------------
+
+TRAJECTORY_STEPS = 12  # 8 packed rows, 2 per step: three passes, re-shuffled each
+
+
+def _trajectory(tmp: str, mesh, dtype_name: str, bf16: bool) -> list[tuple[float, float]]:
+    """``(loss, grad_norm)`` logged at each of 12 steps of ``CPSFTTrainer`` (chat data, completion-only loss,
+    clipping at 1.0, which binds) from the same float32 initial weights, cast to ``dtype_name``."""
+    import datasets
+    import torch
+
+    from hf_blockdiag_cp.training.trl import CPSFTTrainer
+
+    model, tokenizer, examples = _setup("conversational")
+    args = _sft_args(tmp, max_steps=TRAJECTORY_STEPS, gradient_accumulation_steps=2, logging_steps=1,
+                     learning_rate=1e-3, lr_scheduler_type="constant", warmup_steps=0, max_grad_norm=1.0, seed=7,
+                     bf16=bf16, ddp_find_unused_parameters=False)
+    trainer = CPSFTTrainer(model=model.to(getattr(torch, dtype_name)), args=args, processing_class=tokenizer,
+                           train_dataset=datasets.Dataset.from_list(examples[:14]), mesh=mesh)
+    trainer.train()
+    return [(h["loss"], h["grad_norm"]) for h in trainer.state.log_history if "loss" in h]
+
+
+RUNS = (("float32", False), ("float64", False))  # (parameters, bf16 autocast)
+
+
+def _trajectories(tmp: str, cp_size: int | None) -> dict[str, list]:
+    import hf_blockdiag_cp as bd
+
+    mesh = None if cp_size is None else bd.init_device_mesh(cp_size)
+    return {f"{d}{' bf16' if b else ''}": _trajectory(f"{tmp}/{d}{b}", mesh, d, b) for d, b in RUNS}
+
+
+def _cp2_trajectories(rank: int, world: int, tmp: str) -> dict[str, list]:
+    return _trajectories(f"{tmp}/rank{rank}", 2)
+
+
+def _max_diffs(got: list, want: list) -> tuple[float, float]:
+    assert len(got) == len(want) == TRAJECTORY_STEPS, (got, want)
+    return (max(abs(a[0] - b[0]) for a, b in zip(got, want)), max(abs(a[1] - b[1]) for a, b in zip(got, want)))
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_trajectory_at_cp2_equals_one_process_step_for_step(tmp_path):
+    """12 steps of CPSFTTrainer at CP = 2 log the loss and grad norm of one process (issue 35, item 7).
+
+    float64 is the reference that says which side is right: in float32 both sides equal it within 1e-5. (The
+    issue's gap was bf16 autocast, ``SFTConfig``'s default ``bf16=True``, also on CPU: each rank rounds its own
+    shard's products; both sides are then ~1e-2 from float64 and ~2e-3 apart, CP no further than one process,
+    measured with these runs and ``bf16=True``; see docs/trl_peft.md.)"""
+    env = {r: {"RANK": str(r), "LOCAL_RANK": str(r), "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2",
+               "MASTER_ADDR": "127.0.0.1"} for r in range(2)}
+    cp2 = run_ranks(_cp2_trajectories, 2, str(tmp_path / "cp2"), timeout=400, env=env)
+    one = _trajectories(str(tmp_path / "one"), None)
+    assert cp2[0] == cp2[1]  # every rank logs the global values
+    exact = 1e-5
+    for label in ("float32", "float64"):
+        loss_diff, norm_diff = _max_diffs(cp2[0][label], one[label])
+        assert loss_diff <= exact and norm_diff <= exact, (label, loss_diff, norm_diff)
+    for side in (one, cp2[0]):
+        loss_diff, norm_diff = _max_diffs(side["float32"], one["float64"])
+        assert loss_diff <= exact and norm_diff <= exact, ("float32 vs float64", loss_diff, norm_diff)
