@@ -10,12 +10,8 @@ layer of the step already ran it. Every rank runs the same layers in the same or
 
 from __future__ import annotations
 
-import datetime
-
 import torch
 
-from ..attention.layer import require_live_group
-from ..distributed import agree_on_backends
 from ..runtime import step_runtime
 
 __all__ = ["agree_recurrent"]
@@ -23,12 +19,6 @@ __all__ = ["agree_recurrent"]
 
 def agree_recurrent(ctx, device: torch.device) -> None:
     """Run the step's agreement once before the first recurrent collective of ``ctx``'s step (``cp_size > 1``);
-    raises :class:`~hf_blockdiag_cp.errors.AgreementError` on every rank alike when the ranks' plans differ."""
-    runtime = step_runtime(ctx)
-    if runtime.agreed_backends is not None or runtime.recurrent.get("agreed"):
-        return
-    require_live_group(ctx, ctx.group, "CP")
-    agree_on_backends(frozenset(), (), data_fingerprint=ctx.data_fingerprint, plan_fingerprint=ctx.plan_fingerprint,
-                      group=ctx.group, rank=ctx.cp_rank, size=ctx.cp_size,
-                      timeout=datetime.timedelta(seconds=ctx.config.collective_timeout_s), device=device)
-    runtime.recurrent["agreed"] = True
+    raises :class:`~hf_blockdiag_cp.errors.AgreementError` on every rank alike when the ranks' plans differ.
+    The step runtime's one agreement (:meth:`~hf_blockdiag_cp.runtime.StepRuntime.agree`), shared with attention."""
+    step_runtime(ctx).agree(ctx, device)
