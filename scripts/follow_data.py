@@ -14,8 +14,8 @@ Definitions (what the numbers mean):
   torch operation (views included) that takes followed data (inside custom autograd functions too).
 - *visit*: a call of a function defined in a file of ``hf_blockdiag_cp/`` that takes followed data among its
   arguments (directly, in a tuple / list / dict argument, or as a field of an object argument, one level deep).
-  The kernel backend a layer calls (a function in ``hf_blockdiag_cp/kernels/``) counts as one visit: the calls made
-  inside it are the kernel's own algorithm and are not followed.
+  A kernel counts as one visit: the attention backend a layer calls (a function in ``hf_blockdiag_cp/kernels/``) or a
+  recurrent op (``hf_blockdiag_cp/recurrent/ops/``); the calls made inside it are its own algorithm, not followed.
 - *where the data is*: the module of the innermost visited function still running. It changes at each visit into
   another module and at each return from a visit to a caller in another module.
 - *re-entry*: a change of where the data is into a module it had already been in and left during the call (a return
@@ -50,6 +50,7 @@ sys.path.insert(0, str(ROOT))  # this checkout's package, also in the spawned ra
 PACKAGE = str(ROOT / "hf_blockdiag_cp") + os.sep
 DOC_LENGTHS = (5, 20, 3, 12, 8)  # 48 tokens: at CP = 2 the second document straddles the ranks
 SEQ_LEN = 48
+KERNELS = ("kernels" + os.sep, os.path.join("recurrent", "ops") + os.sep)  # followed up to their entry only
 MODEL_CODE = "(the model's own code)"  # where the data is inside transformers (not a visit, not a re-entry)
 
 
@@ -148,7 +149,7 @@ class _Tracer:
         if module != MODEL_CODE:
             self.visits.append((module, frame.f_code.co_qualname))
         self._move(module)
-        if module.startswith("kernels" + os.sep):
+        if module.startswith(KERNELS):
             self.kernel_frame = frame
 
     def _returned(self, frame) -> None:
@@ -231,7 +232,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         mp.start_processes(_worker, args=(2, init, kind, args.recurrent, out_path), nprocs=2, join=True,
                            start_method="spawn")
         summary = json.loads(Path(out_path).read_text())
-    what = f"{kind} hidden_states through its first served mixer" if args.recurrent else "key through one attention call"
+    what = (f"{kind} hidden_states through its first served mixer" if args.recurrent
+            else "key through one attention call")
     print(f"followed {what} at CP = 2:")
     for step in summary["path"]:
         print(f"  {step}")
