@@ -46,20 +46,21 @@ naming it (tests/model/test_prepare.py checks each one is installed and called).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import inspect
 import warnings
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 from transformers import AttentionInterface, PreTrainedConfig, PreTrainedModel
 from transformers.masking_utils import AttentionMaskInterface
 
-from .attention.core import attend_flat, autocast_like_sdpa, check_qkv, flat_rows, kernel_spec, resolve_backend
-from .attention.cp import sequence_attention
+from .attention.core import attend_flat, flat_rows, layer_inputs, resolve_backend
+from .attention.cp import attend_sequence
 from .attention.keywords import check_keywords, chunked_context_plan, plan_from_kwargs, refuse_appended_keys
+from .attention.layer import LayerCall
 from .attention.mask import BlockDiagMask, IndexerMask, blockdiag_cp_mask
 from .attention.ulysses_path import head_parallel_attention
 from .compat import CONFIG_ATTN_PROPERTY
@@ -68,7 +69,7 @@ from .context import BlockDiagCPContext
 from .errors import Refusal
 from .kernels import BackendUnavailable
 from .model.detect import refuse_bypassing_model, uses_blockdiag_cp
-from .model.prepare import check_context_reached, forward_context, mark_attention_call, prepare_model
+from .model.prepare import attention_context, prepare_model
 from .model.subconfigs import fill_unresolved, spread_attn_implementation, switch_attn_implementation
 from .runtime import DevicePlan, device_plan
 from .sparse import query_bounds, served_indices_refusal, sparse_attention
@@ -108,13 +109,12 @@ def blockdiag_cp_attention(module: torch.nn.Module, query: torch.Tensor, key: to
     Returns:
         ``(out [B, L, Hq, D], None)``.
     """
-    mark_attention_call(module)
     mask = attention_mask if isinstance(attention_mask, BlockDiagMask) else None
     model_type = _model_type(module, mask)
     check_keywords(module, model_type, kwargs)
-    # Layers that drop the model's kwargs (stablelm, nemotron, falcon) get the context their forward was given.
-    kwargs["cp_context"] = forward_context(module, kwargs.get("cp_context"))
-    check_context_reached(module, kwargs["cp_context"])
+    # The one call into model/ per layer: counts the call, and gives layers that drop the model's kwargs (stablelm,
+    # nemotron, falcon) the context their forward was given (refusing a call that never got one).
+    ctx = kwargs["cp_context"] = attention_context(module, kwargs.get("cp_context"))
     if isinstance(attention_mask, IndexerMask):
         raise Refusal(f"{model_type}: {type(module).__name__} passed its indexer's mask "
                                   "(attention_mask[:, 0]) to attention; blockdiag_cp cannot serve it")
@@ -122,7 +122,8 @@ def blockdiag_cp_attention(module: torch.nn.Module, query: torch.Tensor, key: to
         refusal = served_indices_refusal(module)
         if refusal is not None:
             raise Refusal(f"{model_type}: {refusal}; blockdiag_cp refuses rather than ignore them")
-    refuse_appended_keys(mask, query, key, model_type)  # keys that are neither the local rows nor a cache
+    # Keys that are neither the local rows nor a cache.
+    refuse_appended_keys(mask, query.shape[2], key.shape[2], model_type)
     if mask is not None:
         if mask.spec.refusal is not None:
             raise Refusal(f"{model_type}: {mask.spec.refusal}; blockdiag_cp cannot serve this mask")
@@ -131,7 +132,7 @@ def blockdiag_cp_attention(module: torch.nn.Module, query: torch.Tensor, key: to
                           f"{type(module).__name__}; blockdiag_cp implements causal attention only")
         # The mask is what transformers' sdpa and eager apply; a layer's own is_causal flag can be stale.
         sliding_window = mask.spec.window
-        _check_blocks(module, mask, kwargs["cp_context"], model_type, sliding_window)
+        _check_blocks(module, mask, ctx, model_type, sliding_window)
     elif not kwargs.get("is_causal", getattr(module, "is_causal", True)):
         raise Refusal(f"{model_type}: blockdiag_cp implements causal (decoder) attention only "
                       f"({type(module).__name__} is not causal)")
@@ -141,9 +142,14 @@ def blockdiag_cp_attention(module: torch.nn.Module, query: torch.Tensor, key: to
     if sliding_window is not None and sliding_window <= 0:
         sliding_window = None
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-    query, key, value, autocast_off = autocast_like_sdpa(query, key, value)
+    strategy = _strategy(attention_mask, mask, ctx, kwargs.get("indices") is not None, query.shape, key.shape)
+    sinks = kwargs.get("s_aux")
+    query, key, value, spec, autocast_off = layer_inputs(query, key, value, dropout_p=dropout, window=sliding_window,
+                                                         softcap=softcap, sinks=sinks, check=strategy != "user_mask")
+    call = LayerCall(query, key, value, spec, attention_mask, mask, None if mask is None else mask.spec.chunk_size,
+                     dropout, scale, sliding_window, softcap, sinks, ctx, kwargs)
     with autocast_off:
-        out = _attention(query, key, value, attention_mask, dropout, scale, sliding_window, softcap, kwargs)
+        out = STRATEGIES[strategy](call)  # [B*L, Hq, Dv] (or [B, L, Hq, Dv])
     return out.reshape(query.shape[0], query.shape[2], query.shape[1], value.shape[-1]), None
 
 
@@ -200,66 +206,21 @@ def _refuse_bidirectional_layer(module: torch.nn.Module, model_type: str) -> Non
         "bidirectional block) or use attn_implementation='sdpa'")
 
 
-@dataclass(frozen=True, eq=False)
-class LayerCall:
-    """One attention layer's call, as the strategies below receive it.
-
-    Attributes:
-        query: ``[B, Hq, L, D]``; key, value: ``[B, Hkv, S, D / Dv]`` (same dtype).
-        attention_mask: what the mask function returned (a :class:`BlockDiagMask`), ``None``, or a user tensor.
-        dropout, scale, window, softcap: the layer's attention parameters (``window``: keys visible, ``None``
-            = unlimited).
-        sinks: ``[Hq]`` attention-sink logits (gpt-oss ``s_aux``) or ``None``.
-        ctx: the step's ``cp_context`` (``None``: documents from the keyword arguments).
-        kwargs: the remaining keyword arguments transformers passed.
-    """
-
-    query: torch.Tensor
-    key: torch.Tensor
-    value: torch.Tensor
-    attention_mask: Any
-    dropout: float
-    scale: float
-    window: int | None
-    softcap: float | None
-    sinks: torch.Tensor | None
-    ctx: BlockDiagCPContext | None
-    kwargs: dict[str, Any]
-
-    @property
-    def mask(self) -> BlockDiagMask | None:
-        return self.attention_mask if isinstance(self.attention_mask, BlockDiagMask) else None
-
-    @property
-    def chunk_size(self) -> int | None:
-        return self.mask.spec.chunk_size if self.mask is not None else None
-
-
-def _attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask: Any, dropout: float,
-               scale: float, sliding_window: int | None, softcap: float | None, kwargs: dict[str, Any]) -> torch.Tensor:
-    """The body of :func:`blockdiag_cp_attention` on same-dtype inputs: ``[B*L, Hq, Dv]`` (or ``[B, L, Hq, Dv]``)."""
-    call = LayerCall(query, key, value, attention_mask, dropout, scale, sliding_window, softcap,
-                     kwargs.get("s_aux"), kwargs.get("cp_context"), kwargs)
-    return STRATEGIES[_strategy(call)](call)
-
-
-def _strategy(call: LayerCall) -> str:
-    """Which entry of :data:`STRATEGIES` serves ``call`` (host attribute reads only)."""
-    sparse = call.kwargs.get("indices") is not None
-    if isinstance(call.attention_mask, torch.Tensor):
+def _strategy(attention_mask: Any, mask: BlockDiagMask | None, ctx: Any, sparse: bool, q_shape: torch.Size,
+              k_shape: torch.Size) -> str:
+    """Which entry of :data:`STRATEGIES` serves a call (host attribute reads and shapes only)."""
+    if isinstance(attention_mask, torch.Tensor):
         if sparse:
             raise Refusal("blockdiag_cp cannot apply sparse indexer indices together with a "
                                       "user-supplied dense attention_mask")
         return "user_mask"
-    ctx = call.ctx
     if ctx is None:
         return "sparse" if sparse else "keywords"
     if not isinstance(ctx, BlockDiagCPContext):
         raise TypeError(f"cp_context must be a BlockDiagCPContext, got {type(ctx).__name__}")
-    mask = call.mask
-    if mask is not None and (mask.q_offset or mask.kv_offset or call.key.shape[2] != call.query.shape[2]):
+    if mask is not None and (mask.q_offset or mask.kv_offset or k_shape[2] != q_shape[2]):
         raise ValueError("cp_context cannot be combined with a KV cache; pass use_cache=False when training")
-    ctx.check_local(call.query.shape[0], call.query.shape[2])
+    ctx.check_local(q_shape[0], q_shape[2])
     if sparse and ctx.cp_size > 1:
         raise Refusal(
             f"sparse indexer attention (indices=) under context parallelism (CP size {ctx.cp_size}) is not "
@@ -274,13 +235,10 @@ def _strategy(call: LayerCall) -> str:
 
 def _run_local(call: LayerCall, plan: DevicePlan, config: BlockDiagCPConfig) -> torch.Tensor:
     """One process holds every row: the plan's kernel over the layer's own K/V (no exchange)."""
-    query, key, value = call.query, call.key, call.value
-    spec = kernel_spec(query, key, value, dropout_p=call.dropout, window=call.window, softcap=call.softcap,
-                       sinks=call.sinks, noncausal=plan.plan.has_blocks)
-    backend = resolve_backend(config, spec)
-    return attend_flat(flat_rows(query), flat_rows(key), flat_rows(value), plan.plan, backend, scale=call.scale,
-                       dropout_p=call.dropout, window=call.window, softcap=call.softcap, sinks=call.sinks,
-                       config=config, schedules=plan.schedules)
+    backend = resolve_backend(config, dataclasses.replace(call.spec, noncausal=plan.plan.has_blocks))
+    return attend_flat(flat_rows(call.query), flat_rows(call.key), flat_rows(call.value), plan.plan, backend,
+                       scale=call.scale, dropout_p=call.dropout, window=call.window, softcap=call.softcap,
+                       sinks=call.sinks, config=config, schedules=plan.schedules)
 
 
 def _user_mask(call: LayerCall) -> torch.Tensor:
@@ -293,7 +251,6 @@ def _user_mask(call: LayerCall) -> torch.Tensor:
 
 def _keywords(call: LayerCall) -> torch.Tensor:
     """No context: the documents come from the keyword arguments (cu_seq_lens / position_ids)."""
-    check_qkv(call.query, call.key, call.value)
     # The mask (built once per forward) read the configuration; without one (a direct call) read it here.
     config = call.mask.config if call.mask is not None else BlockDiagCPConfig()
     return _run_local(call, plan_from_kwargs(call.query, call.key, call.mask, call.kwargs, config), config)
@@ -301,7 +258,6 @@ def _keywords(call: LayerCall) -> torch.Tensor:
 
 def _local(call: LayerCall) -> torch.Tensor:
     """A context with ``cp_size == 1``: the context's plan (or the chunked one), no exchange."""
-    check_qkv(call.query, call.key, call.value)
     ctx = call.ctx
     if call.chunk_size is None:
         plan = device_plan(ctx, call.query.device, call.window)
@@ -313,7 +269,6 @@ def _local(call: LayerCall) -> torch.Tensor:
 def _sparse(call: LayerCall) -> torch.Tensor:
     """``indices=`` from a DSA indexer served per document (CP = 1): attention over the selected keys, within the
     same plan's bounds as the dense path (the context's, else the keyword arguments')."""
-    check_qkv(call.query, call.key, call.value)
     for what, value in (("a sliding window", call.window), ("softcap", call.softcap), ("attention sinks", call.sinks),
                         ("chunked attention", call.chunk_size)):
         if value is not None:
@@ -332,19 +287,6 @@ def _sparse(call: LayerCall) -> torch.Tensor:
                             training=call.dropout > 0)
 
 
-def _sequence(call: LayerCall) -> torch.Tensor:
-    # Chunks only remove keys: the same exchange serves them, with a finer plan over its buffer.
-    chunked = None if call.chunk_size is None else chunked_context_plan(call.ctx, call.mask, call.query.device)
-    return sequence_attention(call.ctx, call.query, call.key, call.value, dropout_p=call.dropout, scale=call.scale,
-                              window=call.window, softcap=call.softcap, sinks=call.sinks, plan=chunked)
-
-
-def _head_parallel(call: LayerCall) -> torch.Tensor:
-    return head_parallel_attention(call.ctx, call.query, call.key, call.value, dropout_p=call.dropout,
-                                   scale=call.scale, window=call.window, softcap=call.softcap, sinks=call.sinks,
-                                   chunk_size=call.chunk_size)
-
-
 #: How a layer's call is served, by :func:`_strategy`'s answer: each returns ``[B*L, Hq, Dv]`` (or
 #: ``[B, L, Hq, Dv]``). A new layout adds one entry and one function in :mod:`hf_blockdiag_cp.attention`.
 STRATEGIES: dict[str, Callable[[LayerCall], torch.Tensor]] = {
@@ -352,8 +294,8 @@ STRATEGIES: dict[str, Callable[[LayerCall], torch.Tensor]] = {
     "keywords": _keywords,  # no cp_context: plan from cu_seq_lens / position_ids
     "local": _local,  # cp_context with cp_size == 1
     "sparse": _sparse,  # indices= from a DSA indexer served per document, CP = 1 (hf_blockdiag_cp/sparse)
-    "sequence": _sequence,  # cp_size > 1, ulysses_size == 1 (attention/cp.py)
-    "head_parallel": _head_parallel,  # cp_size > 1, ulysses_size > 1 (attention/ulysses_path.py)
+    "sequence": attend_sequence,  # cp_size > 1, ulysses_size == 1 (attention/cp.py)
+    "head_parallel": head_parallel_attention,  # cp_size > 1, ulysses_size > 1 (attention/ulysses_path.py)
 }
 
 

@@ -7,19 +7,19 @@ an attention layer makes no device synchronisation.
 from __future__ import annotations
 
 import contextlib
-import warnings
 from collections.abc import Sequence
 
 import torch
 
 from ..config import BlockDiagCPConfig
-from ..kernels import KernelCall, KernelSpec, available_backends, choose_backend, get_backend
+from ..kernels import KernelCall, KernelSpec, get_backend
 from ..kernels.base import PlanSchedules
 from ..planning import PlanError, VarlenPlan, as_doc_ids, build_varlen_plan
 from ..planning.blocks import block_spans
+from ..runtime import resolve_backend
 
 __all__ = ["attend_flat", "autocast_like_sdpa", "blockdiag_attention", "check_qkv", "flat_rows", "kernel_spec",
-           "resolve_backend"]
+           "layer_inputs", "resolve_backend"]
 
 
 def autocast_like_sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
@@ -33,12 +33,37 @@ def autocast_like_sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tens
     autocast the tensors are returned unchanged with a no-op context (mixed dtypes then raise in
     :func:`check_qkv`, as in SDPA). Host-side flag reads only.
     """
-    device_type = query.device.type
-    if not torch.is_autocast_enabled(device_type):
-        return query, key, value, contextlib.nullcontext()
-    dtype = torch.get_autocast_dtype(device_type)
+    dtype, autocast_off = _autocast(query.device.type)
+    if dtype is None:
+        return query, key, value, autocast_off
     cast = [t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t for t in (query, key, value)]
-    return cast[0], cast[1], cast[2], torch.autocast(device_type, enabled=False)
+    return cast[0], cast[1], cast[2], autocast_off
+
+
+def _autocast(device_type: str) -> tuple[torch.dtype | None, contextlib.AbstractContextManager]:
+    """``(the autocast dtype, autocast switched off)`` under ``torch.autocast``, else ``(None, a no-op context)``."""
+    if not torch.is_autocast_enabled(device_type):
+        return None, contextlib.nullcontext()
+    return torch.get_autocast_dtype(device_type), torch.autocast(device_type, enabled=False)
+
+
+def layer_inputs(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *, dropout_p: float, window: int | None,
+                 softcap: float | None, sinks: torch.Tensor | None, check: bool = True
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, KernelSpec, contextlib.AbstractContextManager]:
+    """What every layer path starts from, in one pass: ``query [B, Hq, L, D]``, ``key`` / ``value``
+    ``[B, Hkv, S, D / Dv]`` cast like :func:`autocast_like_sdpa`, checked (:func:`check_qkv`, unless ``check`` is
+    false: a caller-built dense mask, which SDPA checks itself), their :class:`~hf_blockdiag_cp.kernels.KernelSpec`
+    (:func:`kernel_spec`; layouts adjust ``noncausal`` / the head counts) and the context to run the kernel in."""
+    # The cast and the spec inline (host facts only): one function between the adapter and the layout.
+    dtype, autocast_off = _autocast(query.device.type)
+    if dtype is not None:
+        query, key, value = (t.to(dtype) if t.is_floating_point() else t for t in (query, key, value))
+    if check:
+        check_qkv(query, key, value)
+    grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (query, key, value, sinks))
+    spec = _spec(query.device.type, query.dtype, query.shape, key.shape, value.shape, grad, dropout_p=dropout_p,
+                 window=window, softcap=softcap, sinks=sinks is not None)
+    return query, key, value, spec, autocast_off
 
 
 def check_qkv(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> None:
@@ -72,45 +97,17 @@ def kernel_spec(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *, 
                 noncausal: bool = False) -> KernelSpec:
     """The host-side facts backend availability depends on (``[B, H, seq, D]`` inputs; ``noncausal``: the plan has
     bidirectional blocks)."""
-    return KernelSpec(
-        device_type=query.device.type,
-        dtype=query.dtype,
-        head_dim=query.shape[-1],
-        value_dim=value.shape[-1],
-        num_q_heads=query.shape[1],
-        num_kv_heads=key.shape[1],
-        dropout_p=float(dropout_p),
-        window=window,
-        softcap=softcap,
-        sinks=sinks is not None,
-        noncausal=noncausal,
-        requires_grad=torch.is_grad_enabled() and any(t is not None and t.requires_grad
-                                                      for t in (query, key, value, sinks)),
-    )
+    grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (query, key, value, sinks))
+    return _spec(query.device.type, query.dtype, query.shape, key.shape, value.shape, grad, dropout_p=dropout_p,
+                 window=window, softcap=softcap, sinks=sinks is not None, noncausal=noncausal)
 
 
-def resolve_backend(config: BlockDiagCPConfig, spec: KernelSpec, *, agreed: frozenset[str] | None = None,
-                    backend: str | None = None, where: str = "") -> str:
-    """The backend for ``spec``: the one rule of the public function, the HF entry point and the CP path.
-
-    Args:
-        config: ``config.backend`` is the request (environment-overridable) unless ``backend`` is given;
-            ``config.disabled_backends`` are never used.
-        spec: what the call needs.
-        agreed: backends every CP rank can run (the step's rank agreement); ``None`` on one process.
-        backend: an explicit request overriding ``config.backend``.
-        where: appended to the fallback warning (e.g. that it happened on every CP rank).
-
-    An explicitly requested backend that cannot run falls back to the ``"auto"`` choice with a
-    warning; no backend able to compute the call exactly raises ``BackendUnavailable``.
-    """
-    available = available_backends(spec, config.disabled_backends)
-    if agreed is not None:
-        available = available & agreed
-    name, note = choose_backend(config.backend if backend is None else backend, spec, available)
-    if note:
-        warnings.warn(f"{note}{where}", stacklevel=3)
-    return name
+def _spec(device_type: str, dtype: torch.dtype, q_shape: torch.Size, k_shape: torch.Size, v_shape: torch.Size,
+          requires_grad: bool, *, dropout_p: float, window: int | None, softcap: float | None, sinks: bool,
+          noncausal: bool = False) -> KernelSpec:
+    return KernelSpec(device_type=device_type, dtype=dtype, head_dim=q_shape[-1], value_dim=v_shape[-1],
+                      num_q_heads=q_shape[1], num_kv_heads=k_shape[1], dropout_p=float(dropout_p), window=window,
+                      softcap=softcap, sinks=sinks, noncausal=noncausal, requires_grad=requires_grad)
 
 
 def attend_flat(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: VarlenPlan, backend: str, *,

@@ -74,18 +74,18 @@ def check_keywords(module: torch.nn.Module, model_type: str, kwargs: dict[str, A
                ". If it does not change attention, leave it out of the batch passed to model(...)"))
 
 
-def refuse_appended_keys(mask: BlockDiagMask | None, query: torch.Tensor, key: torch.Tensor, model_type: str) -> None:
+def refuse_appended_keys(mask: BlockDiagMask | None, local_len: int, key_len: int, model_type: str) -> None:
     """Refuse keys the model appended to its local rows itself (neither these rows nor a KV cache).
 
     ``deepseek_v4``'s attention appends compressed entries to the keys and values (260 keys for 258
     queries) and extends only tensor masks: the mask of this forward says there is no cache (no offsets,
     as many keys as queries), yet the keys are more. Taken for a cache, the extra keys would shift every
     query's document (bottom-right alignment); with a ``cp_context`` they would be blamed on a cache.
-    Shapes and the mask's host fields only. ``query [B, Hq, L, D]``, ``key [B, Hkv, S, D]``.
+    Lengths and the mask's host fields only: ``local_len`` = ``L`` of ``query [B, Hq, L, D]``, ``key_len`` = ``S`` of
+    ``key [B, Hkv, S, D]``.
     """
     if mask is None or mask.q_offset or mask.kv_offset:
         return
-    local_len, key_len = query.shape[2], key.shape[2]
     if mask.q_length == mask.kv_length == local_len and key_len != local_len:
         raise Refusal(
             f"{model_type} appends keys of its own to the attention ({key_len} keys for {local_len} queries, with no "

@@ -1,4 +1,5 @@
-"""Collectives of a CP group: the differentiable K/V exchanges, the per-step rank agreement, and
+"""Collectives of a CP group: the differentiable K/V exchanges, a named all-gather of fixed-shape buffers, the per-step
+rank agreement, and
 process groups that survive pickling. :mod:`.exchange` owns the record of CP groups broken by a
 failed collective (``mark_broken`` / ``check_usable``). Planning lives in :mod:`hf_blockdiag_cp.planning`, the
 per-layer CP path in :mod:`hf_blockdiag_cp.attention.layer`."""
@@ -8,7 +9,9 @@ from .exchange import (
     CollectiveError,
     CommStats,
     ExchangeSizeError,
+    GatherGroup,
     RankExchange,
+    all_gather,
     check_message,
     check_usable,
     exchange_kv,
@@ -21,9 +24,11 @@ __all__ = [
     "CollectiveError",
     "CommStats",
     "ExchangeSizeError",
+    "GatherGroup",
     "GroupRef",
     "RankExchange",
     "agree_on_backends",
+    "all_gather",
     "check_message",
     "check_usable",
     "exchange_kv",

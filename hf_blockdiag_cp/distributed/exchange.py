@@ -35,8 +35,8 @@ import torch.distributed as dist
 from ..errors import CollectiveError, ExchangeSizeError
 from ..planning.exchange import RankTransfer, Strategy
 
-__all__ = ["CollectiveError", "CommStats", "ExchangeSizeError", "RankExchange", "check_message", "check_usable",
-           "exchange_kv", "mark_broken", "wait"]
+__all__ = ["CollectiveError", "CommStats", "ExchangeSizeError", "GatherGroup", "RankExchange", "all_gather",
+           "check_message", "check_sizes", "check_usable", "exchange_kv", "gradient_name", "mark_broken", "wait"]
 
 
 # torch 2.13 renamed the single-tensor collectives (the old names warn); older torch has only those.
@@ -139,10 +139,6 @@ class RankExchange:
         return self.transfer.buffer_positions.numel() - self.transfer.recv_rows
 
 
-def _nbytes(t: torch.Tensor | None, copies: int = 1) -> int:
-    return 0 if t is None else copies * t.numel() * t.element_size()
-
-
 def failed(group, rank: int, what: str, cause: str, err: BaseException | None = None) -> CollectiveError:
     """Record ``group`` as broken and build the error for it."""
     mark_broken(group, f"the {what} on CP rank {rank} {cause}")
@@ -182,29 +178,70 @@ def _p2p(ops: list[tuple[str, torch.Tensor, int]], ex: RankExchange, what: str) 
         wait(work, what, ex.rank, ex.timeout, group=ex.group)
 
 
+@dataclass(frozen=True)
+class GatherGroup:
+    """What an all-gather of fixed-shape buffers over a CP group reads (a :class:`RankExchange` has the same fields).
+
+    Attributes:
+        size: ``P``, the group's ranks; rank: this rank in it (error messages).
+        group: the process group; timeout: how long one collective may take.
+        stats: where moved bytes are recorded (``None``: not recorded).
+    """
+
+    size: int
+    rank: int
+    group: object
+    timeout: datetime.timedelta
+    stats: CommStats | None = None
+
+
+def gradient_name(what: str) -> str:
+    """The name of an all-gather's backward (``"K/V all-gather"`` -> ``"K/V gradient reduce-scatter"``)."""
+    return f"{what.removesuffix('all-gather').strip()} gradient reduce-scatter"
+
+
 class _AllGather(torch.autograd.Function):
+    """``[N, W]`` on every rank -> ``[P * N, W]`` (rank ``r``'s rows at ``r * N``); backward: a reduce-scatter.
+    ``what`` names both directions in errors (:func:`gradient_name`)."""
+
     @staticmethod
-    def forward(ctx, kv: torch.Tensor, ex: RankExchange) -> torch.Tensor:  # type: ignore[override]
-        kv = kv.contiguous()
-        out = kv.new_empty(ex.size * kv.shape[0], kv.shape[1])
-        work = all_gather_single(out, kv, group=ex.group, async_op=True)
-        wait(work, "K/V all-gather", ex.rank, ex.timeout, group=ex.group)
-        ctx.ex = ex
+    def forward(ctx, buf: torch.Tensor, ex: RankExchange | GatherGroup,  # type: ignore[override]
+                what: str = "K/V all-gather") -> torch.Tensor:
+        buf = buf.contiguous()
+        out = buf.new_empty(ex.size * buf.shape[0], buf.shape[1])
+        work = all_gather_single(out, buf, group=ex.group, async_op=True)
+        wait(work, what, ex.rank, ex.timeout, group=ex.group)
+        ctx.ex, ctx.what = ex, what
         if ex.stats is not None:
-            ex.stats.record("forward", _nbytes(kv, ex.size - 1), _nbytes(kv, ex.size - 1))
+            moved = buf.nbytes * (ex.size - 1)
+            ex.stats.record("forward", moved, moved)
         return out
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
-        ex: RankExchange = ctx.ex
-        check_usable(ex.group, "K/V gradient exchange", ex.rank)
+        ex: RankExchange | GatherGroup = ctx.ex
+        backward_what = gradient_name(ctx.what)
+        check_usable(ex.group, backward_what.replace("reduce-scatter", "exchange"), ex.rank)
         grad = grad.contiguous()
         out = grad.new_empty(grad.shape[0] // ex.size, grad.shape[1])
         work = reduce_scatter_single(out, grad, op=dist.ReduceOp.SUM, group=ex.group, async_op=True)
-        wait(work, "K/V gradient reduce-scatter", ex.rank, ex.timeout, group=ex.group)
+        wait(work, backward_what, ex.rank, ex.timeout, group=ex.group)
         if ex.stats is not None:
-            ex.stats.record("backward", _nbytes(out, ex.size - 1), _nbytes(out, ex.size - 1))
-        return out, None
+            moved = out.nbytes * (ex.size - 1)
+            ex.stats.record("backward", moved, moved)
+        return out, None, None
+
+
+def all_gather(buf: torch.Tensor, on: GatherGroup, what: str) -> torch.Tensor:
+    """Differentiable all-gather of fixed-shape ``buf [N, W]`` (the same shape on every rank) -> ``[P * N, W]``.
+
+    Raises :class:`CollectiveError` naming ``what`` at once when the group failed earlier, or when a peer fails or
+    stalls; its backward (a reduce-scatter, summing every rank's gradient of this rank's rows) is named after it.
+    """
+    check_usable(on.group, what, on.rank)
+    if buf.dim() != 2:
+        raise ExchangeSizeError(f"CP rank {on.rank}: the {what} sends [N, W] buffers, got shape {tuple(buf.shape)}")
+    return _AllGather.apply(buf, on, what)
 
 
 class _Halo(torch.autograd.Function):
@@ -221,7 +258,7 @@ class _Halo(torch.autograd.Function):
         _p2p(ops, ex, "K/V halo exchange")
         ctx.ex, ctx.send = ex, send
         if ex.stats is not None:
-            ex.stats.record("forward", _nbytes(kv[kv.shape[0] - send:]) if send else 0, _nbytes(received))
+            ex.stats.record("forward", kv[kv.shape[0] - send:].nbytes if send else 0, received.nbytes)
         return torch.cat([received, kv], dim=0)
 
     @staticmethod
@@ -240,7 +277,7 @@ class _Halo(torch.autograd.Function):
         if send:
             grad_local[grad_local.shape[0] - send:] += returned
         if ex.stats is not None:
-            ex.stats.record("backward", _nbytes(grad[:recv]), _nbytes(returned))
+            ex.stats.record("backward", grad[:recv].nbytes, returned.nbytes)
         return grad_local, None
 
 
@@ -254,7 +291,7 @@ class _AllToAll(torch.autograd.Function):
         wait(work, "K/V all-to-all", ex.rank, ex.timeout, group=ex.group)
         ctx.ex = ex
         if ex.stats is not None:
-            ex.stats.record("forward", _nbytes(sent), _nbytes(received))
+            ex.stats.record("forward", sent.nbytes, received.nbytes)
         return torch.cat([received, kv], dim=0)
 
     @staticmethod
@@ -272,7 +309,7 @@ class _AllToAll(torch.autograd.Function):
             # A row may have gone to several ranks: their gradients add up.
             grad_local.index_add_(0, ex.send_index, returned)
         if ex.stats is not None:
-            ex.stats.record("backward", _nbytes(grad[:recv]), _nbytes(returned))
+            ex.stats.record("backward", grad[:recv].nbytes, returned.nbytes)
         return grad_local, None
 
 
@@ -288,7 +325,12 @@ _WHAT = {Strategy.ALLGATHER: "K/V all-gather", Strategy.HALO: "K/V halo exchange
 
 def check_message(kv: torch.Tensor, ex: RankExchange) -> None:
     """Raise :class:`ExchangeSizeError` before anything is sent when ``kv [L, W]`` or the rank's splits
-    cannot match the buffers its peers post for it (host-side attribute reads only).
+    cannot match the buffers its peers post for it (host-side attribute reads only; :func:`check_sizes`)."""
+    check_sizes(kv.shape, kv.dtype, ex)
+
+
+def check_sizes(shape: torch.Size, dtype: torch.dtype, ex: RankExchange) -> None:
+    """:func:`check_message` on a message's ``shape`` and ``dtype``: what the check reads of it.
 
     Every rank derives the same per-pair row counts from the plan; a message of another size would be
     paired by order with a receive of the planned size, and gloo accepts a shorter message into a larger
@@ -297,14 +339,14 @@ def check_message(kv: torch.Tensor, ex: RankExchange) -> None:
     """
     t = ex.transfer
     what = _WHAT[t.strategy]
-    local, width = ex.local_rows, (kv.shape[1] if kv.dim() == 2 else None)
-    shape = f"{tuple(kv.shape)} {kv.dtype}"
-    if kv.dim() != 2 or kv.shape[0] != local:
-        raise ExchangeSizeError(f"CP rank {ex.rank}: the {what} would cut its messages from K/V rows {shape}, but "
+    local, width = ex.local_rows, (shape[1] if len(shape) == 2 else None)
+    if len(shape) != 2 or shape[0] != local:
+        raise ExchangeSizeError(f"CP rank {ex.rank}: the {what} would cut its messages from K/V rows "
+                                f"{tuple(shape)} {dtype}, but "
                                 f"the plan gives this rank {local} local rows, and its peers post buffers for that; "
                                 "refused before sending (were the local keys changed after the context was built?)")
-    if ex.row_width is not None and (width != ex.row_width or (ex.dtype is not None and kv.dtype != ex.dtype)):
-        raise ExchangeSizeError(f"CP rank {ex.rank}: the {what} would send rows of width {width} ({kv.dtype}), but "
+    if ex.row_width is not None and (width != ex.row_width or (ex.dtype is not None and dtype != ex.dtype)):
+        raise ExchangeSizeError(f"CP rank {ex.rank}: the {what} would send rows of width {width} ({dtype}), but "
                                 f"every rank of the group agreed on width {ex.row_width} ({ex.dtype}) for this "
                                 "forward; refused before sending")
     size, rank = ex.size, ex.rank
@@ -338,5 +380,5 @@ def exchange_kv(kv: torch.Tensor, ex: RankExchange) -> torch.Tensor:
     :class:`ExchangeSizeError` before sending a message whose size the plan does not give it."""
     what = _WHAT[ex.transfer.strategy]
     check_usable(ex.group, what, ex.rank)
-    check_message(kv, ex)
+    check_sizes(kv.shape, kv.dtype, ex)
     return _FUNCTIONS[ex.transfer.strategy].apply(kv, ex)

@@ -61,15 +61,20 @@ class HeadA2A:
     stats: CommStats | None = None
 
     @classmethod
-    def build(cls, split: HeadSplit, cp_rank: int, group: object, *, timeout_s: float,
-              device: torch.device | str = "cpu", stats: CommStats | None = None) -> HeadA2A:
+    def build(cls, split: HeadSplit, cp_rank: int, group: object, *, timeout_s: float | None = None,
+              device: torch.device | str = "cpu", stats: CommStats | None = None,
+              timeout: datetime.timedelta | None = None) -> HeadA2A:
         """Host-side construction, once per step (the only place ``kv_index`` is copied to ``device``);
-        the head rank is ``cp_rank % u``."""
+        the head rank is ``cp_rank % u``. ``timeout`` (the step runtime's) or ``timeout_s`` seconds bound each
+        collective."""
         if cp_rank < 0:
             raise ValueError(f"cp_rank={cp_rank} must be >= 0")
+        if timeout is None:
+            if timeout_s is None:
+                raise TypeError("HeadA2A.build needs timeout= or timeout_s=")
+            timeout = datetime.timedelta(seconds=timeout_s)
         index = torch.tensor(split.kv_index(), dtype=torch.int64, device=device)
-        return cls(split, cp_rank % split.ulysses_size, group, datetime.timedelta(seconds=timeout_s), index, cp_rank,
-                   stats)
+        return cls(split, cp_rank % split.ulysses_size, group, timeout, index, cp_rank, stats)
 
     @property
     def size(self) -> int:

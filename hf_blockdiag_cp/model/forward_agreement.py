@@ -177,4 +177,4 @@ def agree_forward(model: torch.nn.Module, named: dict[str, Any]) -> None:
     checksums = [shard_checksum(t) if isinstance(t, torch.Tensor) else -1 for t in tensors]
     expected = ctx.shard_checksum or (-1,) * len(FORWARD_TENSORS)
     agree_on_forward(fields, checksums, expected, group=ctx.group, rank=ctx.cp_rank, size=ctx.cp_size,
-                     timeout=datetime.timedelta(seconds=ctx.config.collective_timeout_s), device=device)
+                     timeout=runtime.collective_timeout(ctx), device=device)

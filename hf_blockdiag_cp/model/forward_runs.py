@@ -82,7 +82,7 @@ def check_recompute(probe: Any, what: str) -> None:
     waiting = _FILED.alive(probe) if in_autograd_backward() else 0
     if waiting > 1:
         raise UnsupportedModel(
-            f"{probe.model_type}: {what} is recomputed (activation checkpointing) while {waiting} packed "
+            f"blockdiag_cp: {what} is recomputed (activation checkpointing) while {waiting} packed "
             "forwards wait for this backward; the recompute cannot tell whose document fragments are its own, and "
             "using the latest forward's would be silently wrong. Put the batches in one forward (rows of one packed "
             "batch, e.g. chosen and rejected side by side), run each forward's backward before the next forward, "

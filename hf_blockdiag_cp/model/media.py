@@ -17,7 +17,6 @@ The model then scatters the rows into its placeholder tokens exactly as it would
 
 from __future__ import annotations
 
-import datetime
 import inspect
 from typing import Any
 
@@ -102,8 +101,8 @@ def encode_and_exchange(model: torch.nn.Module, kwargs: dict[str, Any]) -> dict[
                                f"not the text hidden size {width} x {1 + levels} level(s): blockdiag_cp cannot "
                                "exchange them")
     runtime = step_runtime(ctx)
-    ex = MediaExchange(transfer, transfer.send_index.to(buffer.device), ctx.group,
-                       datetime.timedelta(seconds=ctx.config.collective_timeout_s), runtime.media)
+    ex = MediaExchange(transfer, transfer.send_index.to(buffer.device), ctx.group, runtime.collective_timeout(ctx),
+                       runtime.media)
     received = exchange_features(buffer, ex)
     as_sequence = encoder_output_is_sequence(model)
     outputs: dict[str, Any] = {}

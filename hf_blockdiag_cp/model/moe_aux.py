@@ -38,6 +38,7 @@ from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_fun
 from ..context import BlockDiagCPContext
 from ..distributed.exchange import all_gather_single, check_usable, wait
 from ..errors import Refusal
+from ..runtime import step_runtime
 
 __all__ = ["exact_router_aux_loss", "router_aux_refusal"]
 
@@ -139,7 +140,7 @@ def exact_router_aux_loss(model: torch.nn.Module, named: dict[str, Any], output:
             f"{type(model).__name__}'s router logits are not one [B * L, {experts}] tensor per layer for this shard "
             f"(B={batch}, L={local_len}); blockdiag_cp cannot gather them for the router auxiliary loss")
     check_usable(ctx.group, _WHAT, ctx.cp_rank)
-    timeout = datetime.timedelta(seconds=ctx.config.collective_timeout_s)
+    timeout = step_runtime(ctx).collective_timeout(ctx)
     layers = len(logits)
     local = torch.stack([t.reshape(batch, local_len, experts) for t in logits], dim=-2)  # [B, L, layers, E]
     mask = named.get("attention_mask")

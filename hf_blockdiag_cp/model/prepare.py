@@ -1,14 +1,17 @@
-"""The one owner of what this package installs on a model: a probe and one ordered pair of forward hooks.
+"""The one owner of what this package installs on a model: its findings, its forward state and one ordered pair of
+forward hooks.
 
 :func:`prepare_model` is called by the transformers integration (:mod:`hf_blockdiag_cp.integration`: every
 model loaded with, or switched to, ``attn_implementation="blockdiag_cp"``), by
 :func:`~hf_blockdiag_cp.guard_model` (which turns on the strict checks) and by ``CPTrainer`` /
 ``CPSFTTrainer``. Whatever calls it, in whatever order, a prepared model carries exactly:
 
-- a :class:`ForwardProbe` shared by all its submodules (the attention function counts its calls there);
+- a :class:`ModelFindings` (what preparation found about the model: its refusals, position needs, served mixers)
+  and a :class:`ForwardState` (the forward in progress: the attention calls counted by :func:`attention_context`,
+  the forward's ``cp_context``, its document fragments), each one object shared by all its submodules;
 - a per-instance ``forward`` on each of its recurrent mixers (:mod:`hf_blockdiag_cp.mixer_hooks`) and DSA
-  indexers (:mod:`hf_blockdiag_cp.sparse.indexer`), which read the forward's document fragments (``probe.runs``, set
-  by the pre-hook);
+  indexers (:mod:`hf_blockdiag_cp.sparse.indexer`), which read the forward's document fragments (the forward
+  state's ``runs``, set by the pre-hook);
 - one forward **pre-hook**, which in this order
   1. *checks and fills* (strict models only, i.e. after ``guard_model``): :func:`~.batch.check_batch`
      refuses a ``cp_context`` the model's attention would ignore or CP labels without ``shift_labels``,
@@ -18,8 +21,8 @@ model loaded with, or switched to, ``attn_implementation="blockdiag_cp"``), by
      rows for a model that mixes tokens outside attention (:func:`~.detect.packing_refusal`), a packed batch
      without ``position_ids`` for a model with absolute position embeddings, ``shift_labels`` (or packed
      ``labels``) for a model whose own loss ignores them (:func:`~.detect.loss_refusal`); and records the
-     forward's ``cp_context`` (CP > 1) in the probe, so that an attention call the model did not hand it to
-     raises (:func:`check_context_reached`: layers that call attention without the model's keyword
+     forward's ``cp_context`` (CP > 1) in the forward state, so that an attention call the model did not hand it
+     to raises (:func:`attention_context`: layers that call attention without the model's keyword
      arguments would attend within their own shard);
   3. *agrees* (a ``cp_context`` with ``cp_size > 1``, outermost prepared module only): one small collective
      with the CP group about this forward (:func:`~.forward_agreement.agree_forward`); then, for a row with
@@ -49,8 +52,9 @@ from torch.utils.hooks import RemovableHandle
 from transformers import PreTrainedModel
 
 from ..compat import forward_hooks, in_autograd_backward
+from ..context import BlockDiagCPContext
 from ..mixer_hooks import install_recurrent, uninstall_recurrent
-from ..recurrent.runs import local_runs
+from ..recurrent.runs import LocalRuns, local_runs
 from ..sparse.indexer import install_indexers, uninstall_indexers
 from .batch import arguments, check_batch, check_cp_loss_count, fill_position_ids, packing, positional_index
 from .detect import (
@@ -69,16 +73,18 @@ from .head_refusals import check_logits_to_keep, row_pooling_refusal
 from .media import encode_and_exchange, is_mrope, refuse_flat_mrope
 from .moe_aux import exact_router_aux_loss
 
-__all__ = ["PROBE_ATTR", "ForwardProbe", "Preparation", "check_context_reached", "forward_context",
-           "mark_attention_call", "package_hooks", "prepare_model", "unprepare_model"]
+__all__ = ["FINDINGS_ATTR", "PROBE_ATTR", "ForwardState", "ModelFindings", "Preparation", "attention_context",
+           "package_hooks", "prepare_model", "unprepare_model"]
 
+#: Attribute of every submodule of a prepared model holding the model's :class:`ModelFindings`.
+FINDINGS_ATTR = "_blockdiag_cp_findings"
 #: Attribute of a prepared model holding its :class:`Preparation`.
 PREPARATION_ATTR = "_blockdiag_cp_preparation"
 
 
 @dataclass(eq=False)
-class ForwardProbe:
-    """Shared by every submodule of one model: counts attention calls, carries the model's refusal.
+class ModelFindings:
+    """What :func:`prepare_model` found about a model (refreshed by each call, read by its hooks).
 
     Attributes:
         model_type: ``config.model_type`` (for messages).
@@ -86,39 +92,50 @@ class ForwardProbe:
         absolute_positions: the model adds learned/absolute position embeddings (``position_ids`` needed).
         position_resets: a recurrent mixer of the model restarts where ``position_ids`` are 0 (``position_ids``
             needed; :data:`~hf_blockdiag_cp.mixer_table.POSITION_RESETS`).
-        attention_calls: calls of the ``"blockdiag_cp"`` attention function by this model's layers.
-        starts: ``attention_calls`` at the start of the forward of each hooked module (by ``id``).
         loss_refusal: why the model's own loss cannot take the collator's ``shift_labels``, or ``None``.
         padding_refusal: ``(token id, why)`` when that token as row padding would make the gradients NaN.
-        cp_context: the ``cp_context`` (CP > 1) of the forward in progress, set by the pre-hook and cleared by
-            the post-hook; every attention call inside that forward must receive it.
         head_refusal: why the model's head (row pooling) cannot serve packed or sharded rows, or ``None``.
         mrope: the model reads 3-D rope positions of images and videos (Qwen2-VL family, Qwen3-VL, Qwen3.5).
-        held_context: the ``cp_context`` (CP > 1) of the latest forward, kept after it (activation-checkpoint
-            recompute): attention layers called without the model's keyword arguments use it (:func:`forward_context`).
         recurrent_mixers: recurrent mixers served per document fragment (:mod:`hf_blockdiag_cp.recurrent`).
         sparse_indexers: DSA indexers served per document (:mod:`hf_blockdiag_cp.sparse.indexer`).
-        runs: the :class:`~hf_blockdiag_cp.recurrent.runs.LocalRuns` of the forward in progress with packed rows or
-            a ``cp_context`` (``None``: one document per row), set by the pre-hook of every forward; during an
-            activation-checkpoint recompute, those of the forward the recomputed layer belongs to
-            (:mod:`.forward_runs`).
     """
 
     model_type: str
     refusal: str | None = None
     absolute_positions: bool = False
     position_resets: bool = False
-    attention_calls: int = 0
-    starts: dict[int, int] = field(default_factory=dict)
     loss_refusal: str | None = None
     padding_refusal: tuple[int, str] | None = None
-    cp_context: Any = None
     head_refusal: str | None = None
     mrope: bool = False
     recurrent_mixers: int = 0
     sparse_indexers: int = 0
-    runs: Any = None
-    held_context: Any = None
+
+
+@dataclass(eq=False)
+class ForwardState:
+    """The state of a prepared model's forward in progress, shared by all its submodules (under :data:`PROBE_ATTR`).
+
+    Attributes:
+        attention_calls: calls of the package's token mixing (the ``"blockdiag_cp"`` attention function, served
+            recurrent mixers) by this model's layers.
+        starts: ``attention_calls`` at the start of the forward of each hooked module (by ``id``).
+        cp_context: the ``cp_context`` (CP > 1) of the forward in progress, set by the pre-hook and cleared by
+            the post-hook; every attention call inside that forward must receive it.
+        held_context: the ``cp_context`` (CP > 1) of the latest forward, kept after it (activation-checkpoint
+            recompute): attention layers called without the model's keyword arguments use it
+            (:func:`attention_context`).
+        runs: the :class:`~hf_blockdiag_cp.recurrent.runs.LocalRuns` of the latest forward with packed rows or a
+            ``cp_context`` (``None``: one document per row), set by the pre-hook of every forward and kept after
+            it, so that an activation-checkpoint recompute during backward reads the same fragments (refused while
+            two packed forwards wait for one backward, :mod:`.forward_runs`).
+    """
+
+    attention_calls: int = 0
+    starts: dict[int, int] = field(default_factory=dict)
+    cp_context: BlockDiagCPContext | None = None
+    held_context: BlockDiagCPContext | None = None
+    runs: LocalRuns | None = None
 
     def holds_step(self) -> bool:
         """Whether the held forward state (``held_context``, ``runs``) applies to a call now: during the forward
@@ -147,65 +164,62 @@ class Preparation:
     handles: tuple[RemovableHandle, RemovableHandle]
 
 
-def mark_attention_call(module: torch.nn.Module) -> None:
-    """Record that ``module`` called the attention function (one dict read, no tensor access)."""
-    probe = module.__dict__.get(PROBE_ATTR)
-    if probe is not None:
-        probe.attention_calls += 1
-
-
-def forward_context(module: torch.nn.Module, cp_context: Any) -> Any:
-    """The ``cp_context`` of an attention call: the one it was given, else the one its model's forward was given
-    (CP > 1), which the forward's pre-hook holds.
+def attention_context(module: torch.nn.Module, cp_context: Any) -> Any:
+    """What an attention call needs from its model's preparation, in one lookup: counts the call (the post-hook
+    refuses a packed forward without one), and returns the call's ``cp_context``: the one it was given, else the
+    one its model's forward was given (CP > 1), which the forward's pre-hook holds.
 
     A decoder layer that calls ``self_attn`` without the model's ``**kwargs`` (stablelm, nemotron, falcon) drops the
     context; without it that layer would attend to this rank's keys only. The held context stays after the forward,
-    so an activation-checkpoint recompute during backward finds it too. One dict read, no tensor access.
+    so an activation-checkpoint recompute during backward finds it too. A call without the context its model's
+    forward was given, and with none held (a model whose pre-hook did not run: a prepared submodule called
+    directly), is refused, the same on every rank, so every rank raises at the same layer and none is left waiting
+    in an exchange. Dict reads, no tensor access.
     """
+    state: ForwardState | None = module.__dict__.get(PROBE_ATTR)
+    if state is None:
+        return cp_context
+    state.attention_calls += 1
     if cp_context is not None:
         return cp_context
-    probe = module.__dict__.get(PROBE_ATTR)
-    return None if probe is None or not probe.holds_step() else probe.held_context
-
-
-def check_context_reached(module: torch.nn.Module, cp_context: Any) -> None:
-    """Refuse an attention call without the ``cp_context`` its model's forward was given (CP > 1) and with none
-    held by the forward's preparation (a model whose pre-hook did not run: a prepared submodule called directly).
-    The same on every rank, so every rank raises at the same layer and none is left waiting in an exchange."""
-    if forward_context(module, cp_context) is not None:
-        return
-    probe = module.__dict__.get(PROBE_ATTR)
-    if probe is None or probe.cp_context is None:
-        return
+    if state.holds_step() and state.held_context is not None:
+        return state.held_context
+    if state.cp_context is None:
+        return None
+    findings: ModelFindings | None = module.__dict__.get(FINDINGS_ATTR)
     raise UnsupportedModel(
-        f"{probe.model_type} was given a cp_context (CP size {probe.cp_context.cp_size}) but its "
-        f"{type(module).__name__} was called without it: its layers do not pass the model's keyword arguments to "
-        "attention, so each CP rank would attend to its own keys only; blockdiag_cp cannot run this model with "
-        "context parallelism (CP size 1 is exact)")
+        f"{findings.model_type if findings else type(module).__name__} was given a cp_context (CP size "
+        f"{state.cp_context.cp_size}) but its {type(module).__name__} was called without it: its layers do not pass "
+        "the model's keyword arguments to attention, so each CP rank would attend to its own keys only; blockdiag_cp "
+        "cannot run this model with context parallelism (CP size 1 is exact)")
 
 
 def prepare_model(model: torch.nn.Module, *, strict: bool = False) -> torch.nn.Module:
-    """Install (or refresh) the probe and the one ordered hook pair on ``model``; returns ``model``.
+    """Install (or refresh) the findings, the forward state and the one ordered hook pair on ``model``; returns
+    ``model``.
 
-    Idempotent: a second call refreshes the probe's findings and keeps the same pair. ``strict=True``
+    Idempotent: a second call refreshes the findings and keeps the same state and pair. ``strict=True``
     turns on the strict checks (see the module docstring); a later call with ``strict=False`` keeps them.
     """
-    probe = next((m.__dict__[PROBE_ATTR] for m in model.modules() if PROBE_ATTR in m.__dict__), None)
-    if probe is None:
-        probe = ForwardProbe(model_type=model_type(model))
-    probe.model_type = model_type(model)
-    probe.refusal = packing_refusal(model)
-    probe.absolute_positions = has_absolute_positions(model)
-    probe.position_resets = resets_at_position_zero(model)
-    probe.loss_refusal = loss_refusal(model)
-    probe.padding_refusal = padding_refusal(model)
-    probe.head_refusal = row_pooling_refusal(model) or probe.head_refusal  # a wrapper keeps its wrapped model's
-    probe.mrope = probe.mrope or is_mrope(model)
+    state = next((m.__dict__[PROBE_ATTR] for m in model.modules() if PROBE_ATTR in m.__dict__), None)
+    findings = next((m.__dict__[FINDINGS_ATTR] for m in model.modules() if FINDINGS_ATTR in m.__dict__), None)
+    state = ForwardState() if state is None else state
+    findings = ModelFindings(model_type(model)) if findings is None else findings
+    findings.model_type = model_type(model)
+    findings.refusal = packing_refusal(model)
+    findings.absolute_positions = has_absolute_positions(model)
+    findings.position_resets = resets_at_position_zero(model)
+    findings.loss_refusal = loss_refusal(model)
+    findings.padding_refusal = padding_refusal(model)
+    findings.head_refusal = row_pooling_refusal(model) or findings.head_refusal  # a wrapper keeps its wrapped model's
+    findings.mrope = findings.mrope or is_mrope(model)
     for sub in model.modules():
-        sub.__dict__[PROBE_ATTR] = probe
-    probe.recurrent_mixers = install_recurrent(model, probe)
-    probe.sparse_indexers = install_indexers(model, probe)
-    install_layer_hooks(model)  # each forward's fragments and context reach its checkpoint recompute
+        sub.__dict__[PROBE_ATTR] = state
+        sub.__dict__[FINDINGS_ATTR] = findings
+    # Served mixers read the forward's state (its runs, holds_step) and count their calls in it.
+    findings.recurrent_mixers = install_recurrent(model, state)
+    findings.sparse_indexers = install_indexers(model, state)
+    install_layer_hooks(model)  # which packed forwards wait for a checkpoint recompute
     if isinstance(model, PreTrainedModel) and uses_blockdiag_cp(model):  # its pair refuses for its nested models
         for sub in list(model.modules())[1:]:
             nested = sub.__dict__.pop(PREPARATION_ATTR, None)
@@ -218,7 +232,7 @@ def prepare_model(model: torch.nn.Module, *, strict: bool = False) -> torch.nn.M
         return model
     handles = (model.register_forward_pre_hook(_pre_forward, with_kwargs=True),
                # always_call: a forward that raises (an OOM caught by the loop, a refusal) must still clear
-               # the probe, or the next forward of a nested pair would see a stale entry and skip agreeing.
+               # the forward state, or the next forward of a nested pair would see a stale entry and skip agreeing.
                model.register_forward_hook(_post_forward, with_kwargs=True, always_call=True))
     model.__dict__[PREPARATION_ATTR] = Preparation(strict, positional_index(model, "position_ids"), handles)
     return model
@@ -234,6 +248,7 @@ def unprepare_model(model: torch.nn.Module) -> torch.nn.Module:
         if preparation is not None:
             _remove(preparation)
         sub.__dict__.pop(PROBE_ATTR, None)
+        sub.__dict__.pop(FINDINGS_ATTR, None)
     uninstall_recurrent(model)
     uninstall_indexers(model)
     remove_layer_hooks(model)
@@ -255,8 +270,9 @@ def _pre_forward(module: torch.nn.Module, args: tuple,
                  kwargs: dict[str, Any]) -> tuple[tuple, dict[str, Any]] | None:
     """Fill (strict models), then refuse (models using blockdiag_cp): see the module docstring."""
     preparation: Preparation | None = module.__dict__.get(PREPARATION_ATTR)
-    probe: ForwardProbe | None = module.__dict__.get(PROBE_ATTR)
-    if preparation is None or probe is None:
+    state: ForwardState | None = module.__dict__.get(PROBE_ATTR)
+    findings: ModelFindings | None = module.__dict__.get(FINDINGS_ATTR)
+    if preparation is None or state is None or findings is None:
         return None
     filled = None
     if preparation.strict:
@@ -265,30 +281,31 @@ def _pre_forward(module: torch.nn.Module, args: tuple,
         if filled is not None:
             args, kwargs = filled
     if uses_blockdiag_cp(module):
-        if id(module) in probe.starts:  # an earlier forward of this module never finished (BaseException, compile)
-            probe.starts.clear()
-        probe.starts[id(module)] = probe.attention_calls
+        if id(module) in state.starts:  # an earlier forward of this module never finished (BaseException, compile)
+            state.starts.clear()
+        state.starts[id(module)] = state.attention_calls
         ctx = kwargs.get("cp_context")
-        probe.cp_context = ctx if getattr(ctx, "cp_size", 1) > 1 else None
-        probe.held_context = probe.cp_context
-        _refuse(module, probe, args, kwargs)
-        if (probe.recurrent_mixers or probe.sparse_indexers) and not any(key != id(module) for key in probe.starts):
+        state.cp_context = ctx if getattr(ctx, "cp_size", 1) > 1 else None
+        state.held_context = state.cp_context
+        _refuse(module, findings, args, kwargs)
+        outermost = not any(key != id(module) for key in state.starts)
+        if (findings.recurrent_mixers or findings.sparse_indexers) and outermost:
             named = arguments(module, args, kwargs)
-            probe.runs = local_runs(named, packing(named) is not None)
-        if not any(key != id(module) for key in probe.starts):  # the outermost prepared module of the forward
+            state.runs = local_runs(named, packing(named) is not None)
+        if outermost:  # the outermost prepared module of the forward
             try:
                 agree_forward(module, arguments(module, args, kwargs))
                 # CP rows with images: encode this rank's, exchange the feature rows (after the agreement).
                 exchanged = encode_and_exchange(module, kwargs)
             except BaseException:
-                probe.starts.pop(id(module), None)
+                state.starts.pop(id(module), None)
                 raise
             if exchanged is not kwargs:
                 return args, exchanged
     return filled
 
 
-def _refuse(module: torch.nn.Module, probe: ForwardProbe, args: tuple, kwargs: dict[str, Any]) -> None:
+def _refuse(module: torch.nn.Module, probe: ModelFindings, args: tuple, kwargs: dict[str, Any]) -> None:
     """Raise :class:`UnsupportedModel` for a batch the model cannot compute exactly (reads tensor values only
     for models with a refusal or absolute positions)."""
     if getattr(kwargs.get("cp_context"), "cp_size", 1) > 1:
@@ -323,7 +340,7 @@ def _refuse(module: torch.nn.Module, probe: ForwardProbe, args: tuple, kwargs: d
             "hf_blockdiag_cp.guard_model(model) to have them supplied from the cp_context")
 
 
-def _refuse_padding(probe: ForwardProbe, named: dict[str, Any]) -> None:
+def _refuse_padding(probe: ModelFindings, named: dict[str, Any]) -> None:
     """Refuse a packed batch padded with the token whose zero embedding makes the gradients NaN (one read of
     ``input_ids``, for such models only)."""
     token, why = probe.padding_refusal
@@ -335,7 +352,7 @@ def _refuse_padding(probe: ForwardProbe, named: dict[str, Any]) -> None:
                                f"{why}")
 
 
-def _refuse_loss(probe: ForwardProbe, named: dict[str, Any]) -> None:
+def _refuse_loss(probe: ModelFindings, named: dict[str, Any]) -> None:
     """Refuse targets the model's own loss would ignore: ``shift_labels`` / ``num_items_in_batch``, or ``labels``
     in a packed batch (its own shift would predict across documents)."""
     given = [name for name in ("shift_labels", "num_items_in_batch") if named.get(name) is not None]
@@ -353,22 +370,23 @@ def _post_forward(module: torch.nn.Module, args: tuple, kwargs: dict[str, Any], 
     Also runs when the forward (or a pre-hook) raised, with ``output=None``: it then only clears this forward's
     state, so that the next forward agrees again and a later call without a ``cp_context`` is not refused.
     """
-    probe: ForwardProbe | None = module.__dict__.get(PROBE_ATTR)
-    if probe is None or not uses_blockdiag_cp(module):
+    state: ForwardState | None = module.__dict__.get(PROBE_ATTR)
+    findings: ModelFindings | None = module.__dict__.get(FINDINGS_ATTR)
+    if state is None or findings is None or not uses_blockdiag_cp(module):
         return
-    start = probe.starts.pop(id(module), None)
-    if not probe.starts:  # the outermost prepared module's forward ended: no cp_context is in flight
-        probe.cp_context = None
+    start = state.starts.pop(id(module), None)
+    if not state.starts:  # the outermost prepared module's forward ended: no cp_context is in flight
+        state.cp_context = None
     if output is None:
         return
     if isinstance(module, PreTrainedModel) and getattr(kwargs.get("cp_context"), "cp_size", 1) > 1:
         # MoE: the row's router loss, counted once over the CP ranks (the causal LM's own hook, not a wrapper's)
         exact_router_aux_loss(module, arguments(module, args, kwargs), output)
-    if start is None or probe.attention_calls != start:
+    if start is None or state.attention_calls != start:
         return
     found = packing(arguments(module, args, kwargs))
     if found is not None:
         raise UnsupportedModel(
-            f"{probe.model_type} does not call its attention through transformers' AttentionInterface: it accepted "
+            f"{findings.model_type} does not call its attention through transformers' AttentionInterface: it accepted "
             f"attn_implementation='blockdiag_cp' but never called it in a forward with {found}, so its own "
             "attention attended across documents; blockdiag_cp cannot serve this model")

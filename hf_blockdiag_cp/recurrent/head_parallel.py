@@ -165,7 +165,7 @@ def _step_cache(runs: LocalRuns, split: HeadSplit, device: torch.device) -> tupl
         if ("rows", device) not in cache:
             cache[("rows", device)] = (torch.argsort(placed).to(device), placed.to(device),
                                        local_fragments(ctx.doc_ids, torch.arange(ctx.full_len)))
-        a2a = HeadA2A.build(split, ctx.cp_rank, ctx.group, timeout_s=ctx.config.collective_timeout_s, device=device,
+        a2a = HeadA2A.build(split, ctx.cp_rank, ctx.group, timeout=runtime.collective_timeout(ctx), device=device,
                             stats=runtime.comm)
         found = cache[key] = (a2a, *cache[("rows", device)])
     return found

@@ -10,19 +10,16 @@ activation-checkpoint recompute).
 
 from __future__ import annotations
 
-import datetime
+import contextlib
 from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from ..config import BlockDiagCPConfig
-from ..distributed.exchange import all_gather_single, check_usable, reduce_scatter_single, wait
 from ..planning.documents import doc_ids_from_flattening, doc_ids_from_position_ids
 from ..planning.fragments import Fragment, FragmentPlan, local_fragments, plan_fragments
 from ..runtime import step_runtime
-from .agreement import agree_recurrent
 from .backend import forward_backend
 
 __all__ = ["GATHER", "Fragment", "LocalRuns", "local_runs"]
@@ -71,13 +68,20 @@ class LocalRuns:
         return self.plan.fragments[self.rank] if self.plan is not None else self.fragments
 
     def agree(self, device: torch.device) -> None:
-        """The step's rank agreement, once per step, before its first recurrent collective (CP > 1)."""
-        agree_recurrent(self.context, device)
+        """The step's rank agreement, once per step (shared with attention), before its first collective (CP > 1)."""
+        step_runtime(self.context).agree(self.context, device)
 
     def gather(self, buffer: torch.Tensor) -> torch.Tensor:
         """Every rank's ``buffer [slots, W]`` as ``[P * slots, W]`` (rank-major), differentiably: the step's one
-        recurrent collective per layer and direction (:data:`GATHER` names it in errors)."""
-        return _StateGather.apply(buffer, self.context)
+        recurrent collective per layer and direction, named :data:`GATHER` in errors."""
+        return step_runtime(self.context).all_gather(self.context, buffer, GATHER[0])
+
+    def guard(self, what: str) -> Any:
+        """Under CP: a runner that raises between collectives marks the group failed and raises
+        :class:`~hf_blockdiag_cp.errors.CPKernelError` naming ``what`` (the step runtime's guard)."""
+        if self.plan is None:
+            return contextlib.nullcontext()
+        return step_runtime(self.context).guard(self.context, what)
 
 
 def local_runs(named: dict[str, Any], packed: bool) -> LocalRuns | None:
@@ -128,35 +132,3 @@ def _cached_plan(ctx: Any) -> FragmentPlan:
         runtime.fragments = plan_fragments(ctx.doc_ids, ctx.placement.index)
     return runtime.fragments
 
-
-class _StateGather(torch.autograd.Function):
-    """A named all-gather over the CP group whose backward is the matching reduce-scatter; each direction first
-    refuses a group with an earlier failed collective, and counts its bytes in the step's ``comm_stats``."""
-
-    @staticmethod
-    def forward(ctx, buffer: torch.Tensor, cp: Any) -> torch.Tensor:  # type: ignore[override]
-        ctx.cp = cp
-        return _collective(buffer.contiguous(), cp, forward=True)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
-        return _collective(grad.contiguous(), ctx.cp, forward=False), None
-
-
-def _collective(x: torch.Tensor, cp: Any, *, forward: bool) -> torch.Tensor:
-    what = GATHER[0] if forward else GATHER[1]
-    size, rank, group = cp.cp_size, cp.cp_rank, cp.group
-    check_usable(group, what, rank)
-    timeout = datetime.timedelta(seconds=cp.config.collective_timeout_s)
-    if forward:
-        out = x.new_empty(size * x.shape[0], x.shape[1])
-        work = all_gather_single(out, x, group=group, async_op=True)
-        moved = x
-    else:
-        out = x.new_empty(x.shape[0] // size, x.shape[1])
-        work = reduce_scatter_single(out, x, op=dist.ReduceOp.SUM, group=group, async_op=True)
-        moved = out
-    wait(work, what, rank, timeout, group=group)
-    nbytes = moved.numel() * moved.element_size() * (size - 1)
-    step_runtime(cp).comm.record("forward" if forward else "backward", nbytes, nbytes)
-    return out

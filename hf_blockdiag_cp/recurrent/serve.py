@@ -51,7 +51,8 @@ def serve_scan(spec: ScanFunction, original: Callable, runs: LocalRuns, named: d
     backend = call_backend(runs.backend, spec.kind, lead.device)
     if backend != "model" and op_refusal(spec.kind, named, known_arguments(spec)) is not None:
         backend = "model"
-    return run_fragments(ScanRunner(spec, original, named, backend, final, runs.local), runs, lead.device)
+    with runs.guard(f"recurrent {spec.name} ({backend})"):
+        return run_fragments(ScanRunner(spec, original, named, backend, final, runs.local), runs, lead.device)
 
 
 def serve_window(spec: WindowedModule, original: Callable, runs: LocalRuns, named: dict[str, Any],
@@ -61,7 +62,8 @@ def serve_window(spec: WindowedModule, original: Callable, runs: LocalRuns, name
         raise UnsupportedModel(f"{spec.name} got a cache with packed rows; {_NO_CACHE}")
     lead = named[spec.sequence]
     _start(spec.name, lead, spec.time_dim, runs)
-    return run_fragments(WindowRunner(spec, original, named, width, runs.local), runs, lead.device)
+    with runs.guard(f"recurrent {spec.name}"):
+        return run_fragments(WindowRunner(spec, original, named, width, runs.local), runs, lead.device)
 
 
 def serve_stateful(spec: StatefulModule, module: torch.nn.Module, original: Callable, runs: LocalRuns,
@@ -69,7 +71,8 @@ def serve_stateful(spec: StatefulModule, module: torch.nn.Module, original: Call
     """A module with its recurrence inside (``named`` without its cache): ``(out, each row's end state or None)``."""
     lead = named[spec.sequence]
     _start(spec.name, lead, 1, runs)
-    return run_fragments(StatefulRunner(spec, module, original, named, runs.local), runs, lead.device)
+    with runs.guard(f"recurrent {spec.name}"):
+        return run_fragments(StatefulRunner(spec, module, original, named, runs.local), runs, lead.device)
 
 
 def serve_scan_module(spec: ScanModule, original: Callable, runs: LocalRuns, named: dict[str, Any],
@@ -82,5 +85,6 @@ def serve_scan_module(spec: ScanModule, original: Callable, runs: LocalRuns, nam
                                "xLSTM's train_with_padding mode): the state passing between CP ranks needs them")
     first = next(iter(spec.time_args))
     _start(spec.name, named[first], spec.time_args[first], runs)
-    return run_fragments(ScanModuleRunner(spec, original, named, returns_states, runs.local), runs,
-                         named[first].device)
+    with runs.guard(f"recurrent {spec.name}"):
+        return run_fragments(ScanModuleRunner(spec, original, named, returns_states, runs.local), runs,
+                             named[first].device)

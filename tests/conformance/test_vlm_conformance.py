@@ -68,18 +68,21 @@ def test_every_image_text_to_text_type_has_a_row():
 def _on_layer_zero(monkeypatch, change):
     """Make the package's attention apply ``change`` to its output on the text model's layer 0 only."""
     layer = {}
-    mark, attention = integration.mark_attention_call, integration._attention
+    mark = integration.attention_context
 
-    def marked(module):
+    def marked(module, cp_context):
         layer["idx"] = getattr(module, "layer_idx", None)
-        return mark(module)
+        return mark(module, cp_context)
 
-    def changed(*args, **kwargs):
-        out = attention(*args, **kwargs)
-        return change(out) if layer.get("idx") == 0 else out
+    def changed(strategy):
+        def run(*args, **kwargs):
+            out = strategy(*args, **kwargs)
+            return change(out) if layer.get("idx") == 0 else out
+        return run
 
-    monkeypatch.setattr(integration, "mark_attention_call", marked)
-    monkeypatch.setattr(integration, "_attention", changed)
+    monkeypatch.setattr(integration, "attention_context", marked)
+    for name, strategy in list(integration.STRATEGIES.items()):
+        monkeypatch.setitem(integration.STRATEGIES, name, changed(strategy))
 
 
 def test_a_wrong_layer_is_a_fail_with_its_numbers(monkeypatch):

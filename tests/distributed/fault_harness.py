@@ -235,12 +235,39 @@ def _ddp_backward_stall(rank, world, mesh, config):
     _ddp_step(rank, world, mesh, config, stall_collator=False, stall_backward=True)
 
 
+def _state_gather_peer_fails(rank, world, mesh, config):
+    """The faulty rank raises in its recurrent runner instead of joining the step runtime's named state all-gather
+    (its group then closes, as a failing process's would); the survivor's gather must fail naming it, and its next
+    gather on that group must refuse to start (the broken-group check)."""
+    import torch
+
+    from hf_blockdiag_cp.errors import CollectiveError
+    from hf_blockdiag_cp.runtime import step_runtime
+
+    ctx, _, _ = _context(rank, world, mesh["cp"].get_group(), config)
+    runtime = step_runtime(ctx)
+    what = "recurrent state all-gather"
+    if rank == FAULTY:
+        with runtime.guard(ctx, "recurrent test runner"):
+            raise RuntimeError("injected runner fault")
+    try:
+        runtime.all_gather(ctx, torch.ones(2, 3, requires_grad=True), what=what)
+    except CollectiveError as first:
+        try:
+            runtime.all_gather(ctx, torch.ones(2, 3), what=what)
+        except CollectiveError as second:  # both messages, the refusal first (the log keeps 600 characters)
+            raise CollectiveError(f"{second} || {first}") from None
+        raise AssertionError("the second gather on the broken group started") from first
+    raise AssertionError("the state all-gather did not fail")
+
+
 SCENARIOS = {
     "kernel_forward": _kernel_forward,
     "kernel_backward": _kernel_backward,
     "skipped_step": _skipped_step,
     "different_rows_same_layout": _different_rows_same_layout,
     "wrong_cp_size": _wrong_cp_size,
+    "state_gather_peer_fails": _state_gather_peer_fails,
     "sigkill": _sigkill,  # must be the last scenario of its spawn: the faulty rank dies
     "sleep_past_timeout": _sleep_past_timeout,
     "ddp_collator_stall": _ddp_collator_stall,

@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from hf_blockdiag_cp.attention import cp as cp_module
-from hf_blockdiag_cp.attention import layer as layer_module
 from hf_blockdiag_cp.attention.layer import CPKernelError, kernel_failed
 from hf_blockdiag_cp.distributed import CollectiveError, check_usable
+from hf_blockdiag_cp.runtime import StepRuntime
 
 
 class _Group:
@@ -32,17 +32,20 @@ def test_kernel_failure_marks_the_group_broken():
 
 
 def test_cp_attention_routes_kernel_failures_through_kernel_failed(monkeypatch):
-    """The kernel call of sequence_attention marks the group: driven with a stubbed plan, backend and kernel."""
+    """The kernel call of sequence_attention marks the group (the step runtime's guard): driven with a stubbed plan,
+    backend, exchange and kernel."""
     group = _Group()
-    ctx = types.SimpleNamespace(group=group, cp_rank=0, cp_size=2, config=None)
+    ctx = types.SimpleNamespace(group=group, cp_rank=0, cp_size=2, config=None, origin=None)
+    runtime = StepRuntime()
+    runtime.backend = lambda *a, **k: "sdpa_doc"
+    runtime.exchange_kv = lambda ctx, k, v, window: (k, v)
+    monkeypatch.setattr(cp_module, "step_runtime", lambda ctx: runtime)
     monkeypatch.setattr(cp_module, "device_plan", lambda *a, **k: types.SimpleNamespace(plan=None, schedules=None))
-    monkeypatch.setattr(cp_module, "step_backend", lambda *a, **k: "sdpa_doc")
-    monkeypatch.setattr(cp_module, "kv_exchange", lambda *a, **k: None)
 
     def broken_kernel(*args, **kwargs):
         raise RuntimeError("injected kernel fault")
 
-    monkeypatch.setattr(layer_module, "attend_flat", broken_kernel)
+    monkeypatch.setattr(cp_module, "attend_flat", broken_kernel)
     q = torch.zeros(1, 2, 4, 8)
     with pytest.raises(CPKernelError, match="injected kernel fault"):
         cp_module.sequence_attention(ctx, q, q[:, :1], q[:, :1], dropout_p=0.0, scale=1.0, window=None, softcap=None)
