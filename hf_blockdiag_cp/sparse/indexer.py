@@ -15,8 +15,9 @@ instance ``forward`` (the module keeps its class and parameters) that
   system for the whole step, so GLM's ``"shared"`` layers reuse them as they are.
 
 The attention layer then passes them as ``indices=`` to the ``"blockdiag_cp"`` attention function, which attends over
-them within the plan's bounds (:mod:`.attention`). Under CP (a ``cp_context`` with ``cp_size > 1``) the indexer keys and
-the MLA latent would have to cross ranks: refused on every rank, before any collective.
+them within the plan's bounds (:mod:`.attention`). Under CP (a ``cp_context`` with ``cp_size > 1``) the attention
+layers' ``expand_kv`` is served too: the MLA latent crosses ranks instead of the expanded K/V, and the indices are
+global positions of the row (:mod:`.cp`).
 """
 
 from __future__ import annotations
@@ -29,7 +30,8 @@ import torch
 
 from ..attention.mask import IndexerMask
 from ..compat import SPARSE_ATTENTIONS, SPARSE_INDEXER_ATTRS, SPARSE_INDEXER_PARAMS, SPARSE_INDEXERS, indexer_rope
-from ..errors import Refusal, UnsupportedModel
+from ..errors import UnsupportedModel
+from .cp import expand_kv, select_cp
 from .topk import document_topk
 
 __all__ = ["INDEXERS", "install_indexers", "is_served_indexer", "served_indices_refusal", "uninstall_indexers"]
@@ -39,6 +41,8 @@ INDEXERS = frozenset(SPARSE_INDEXERS)
 #: On a served indexer: the original bound ``forward``, and the model's probe.
 _ORIGINAL = "_blockdiag_cp_indexer_original"
 _PROBE = "_blockdiag_cp_indexer_probe"
+#: On a served DSA attention layer: its original bound ``expand_kv``.
+_ORIGINAL_EXPAND = "_blockdiag_cp_expand_kv_original"
 
 
 def is_served_indexer(module: torch.nn.Module) -> bool:
@@ -56,10 +60,16 @@ def _check_indexer(module: torch.nn.Module) -> None:
 
 
 def install_indexers(model: torch.nn.Module, probe: Any) -> int:
-    """Install the per-document ``forward`` on every DSA indexer of ``model``; returns how many (idempotent; the
-    probe's ``runs`` are the fragments of the forward in progress)."""
+    """Install the per-document ``forward`` on every DSA indexer of ``model`` and the CP ``expand_kv`` on every DSA
+    attention layer; returns how many indexers (idempotent; the probe's ``runs`` are the fragments of the forward in
+    progress)."""
     count = 0
     for module in model.modules():
+        if type(module).__name__ in SPARSE_ATTENTIONS and callable(getattr(module, "expand_kv", None)):
+            module.__dict__[_PROBE] = probe
+            if _ORIGINAL_EXPAND not in module.__dict__:
+                module.__dict__[_ORIGINAL_EXPAND] = module.expand_kv
+                module.__dict__["expand_kv"] = MethodType(_expand_kv, module)
         if type(module).__name__ not in INDEXERS:
             continue
         _check_indexer(module)
@@ -76,7 +86,9 @@ def uninstall_indexers(model: torch.nn.Module) -> None:
     for module in model.modules():
         if module.__dict__.pop(_ORIGINAL, None) is not None:
             module.__dict__.pop("forward", None)
-            module.__dict__.pop(_PROBE, None)
+        if module.__dict__.pop(_ORIGINAL_EXPAND, None) is not None:
+            module.__dict__.pop("expand_kv", None)
+        module.__dict__.pop(_PROBE, None)
 
 
 def served_indices_refusal(module: torch.nn.Module) -> str | None:
@@ -110,22 +122,31 @@ def _held_runs(probe: Any) -> Any:
     return probe.runs if probe is not None and probe.holds_step() else None
 
 
+def _expand_kv(self: torch.nn.Module, kv_nope: torch.Tensor, k_rot: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A DSA attention layer's ``expand_kv``: unchanged at CP = 1; under CP the latent crosses ranks first."""
+    original = self.__dict__[_ORIGINAL_EXPAND]
+    runs = _held_runs(self.__dict__.get(_PROBE))
+    if runs is None or runs.cp_size == 1:
+        return original(kv_nope, k_rot)
+    return expand_kv(self, original, runs.context, kv_nope, k_rot)
+
+
 def _select(self: torch.nn.Module, hidden_states: torch.Tensor, q_resid: torch.Tensor,
             position_embeddings: tuple[torch.Tensor, torch.Tensor], attention_mask: Any, cache: Any) -> torch.Tensor:
     """``[B, L, K]`` int32 selected key positions per query (``-1``: none); see the module docstring."""
     name = type(self).__name__
     model_type = attention_mask.mask.model_type
     runs = _held_runs(self.__dict__.get(_PROBE))
-    if runs is not None and runs.cp_size > 1:
-        raise Refusal(
-            f"{model_type}: the sparse indexer ({name}) under context parallelism (CP size {runs.cp_size}) is not "
-            "implemented by blockdiag_cp: the indexer keys and the MLA latent of a document split over ranks would "
-            "have to be exchanged (and the selection made over the whole document); run it with CP size 1")
     if runs is not None and cache is not None:
         raise ValueError(f"{model_type}: {name} got a cache with packed rows (a cp_context, cu_seq_lens_* or packed "
                          "position_ids); blockdiag_cp trains packed rows without a cache: pass use_cache=False")
     batch, local_len, _ = hidden_states.shape
     q_BLHD, k_BSD, w_BLH = _project(self, hidden_states, q_resid, position_embeddings)
+    if runs is not None and runs.cp_size > 1:
+        if runs.local_len != local_len or batch != 1:
+            raise ValueError(f"{model_type}: {name} got rows [B={batch}, L={local_len}] but this CP step has "
+                             f"[B=1, L={runs.local_len}]")
+        return select_cp(self, runs.context, runs.fragments, q_BLHD, k_BSD, w_BLH)
     if cache is not None:
         k_BSD = cache.update_indexer(k_BSD, self.layer_idx)
     keys = k_BSD.shape[1]
