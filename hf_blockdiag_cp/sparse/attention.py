@@ -51,11 +51,17 @@ def _chunk_rows(width: int, heads: int, dims: int) -> int:
     return max(1, _CHUNK_BYTES // max(1, width * heads * dims * 4))
 
 
+def _acc(t: torch.Tensor) -> torch.dtype:
+    """The accumulation dtype: float32, or float64 for float64 inputs."""
+    return torch.promote_types(t.dtype, torch.float32)
+
+
 def _scores(q_nHD: torch.Tensor, k_nKhD: torch.Tensor, valid_nK: torch.Tensor, groups: int,
             scale: float) -> torch.Tensor:
-    """``[n, Hkv, G, K]`` float32 scores, ``-inf`` where a slot holds no visible key."""
-    q_nhgD = q_nHD.float().view(q_nHD.shape[0], k_nKhD.shape[2], groups, -1)
-    scores = torch.einsum("nhgd,nkhd->nhgk", q_nhgD, k_nKhD.float()) * scale
+    """``[n, Hkv, G, K]`` scores in :func:`_acc`'s dtype, ``-inf`` where a slot holds no visible key."""
+    acc = _acc(q_nHD)
+    q_nhgD = q_nHD.to(acc).view(q_nHD.shape[0], k_nKhD.shape[2], groups, -1)
+    scores = torch.einsum("nhgd,nkhd->nhgk", q_nhgD, k_nKhD.to(acc)) * scale
     return scores.masked_fill(~valid_nK[:, None, None, :], float("-inf"))
 
 
@@ -68,14 +74,15 @@ class _SparseAttention(torch.autograd.Function):
         num_kv = k_MHD.shape[1]
         groups = num_q // num_kv
         out = q_NHD.new_zeros(rows, num_q, v_MHD.shape[-1])
-        lse = torch.full((rows, num_kv, groups), float("-inf"), dtype=torch.float32, device=q_NHD.device)
+        acc = _acc(q_NHD)
+        lse = torch.full((rows, num_kv, groups), float("-inf"), dtype=acc, device=q_NHD.device)
         for n0 in range(0, rows, chunk):
             n1 = min(rows, n0 + chunk)
             idx, valid = rows_NK[n0:n1], valid_NK[n0:n1]
             scores = _scores(q_NHD[n0:n1], k_MHD[idx], valid, groups, scale)
             chunk_lse = torch.logsumexp(scores, dim=-1)
             probs = torch.exp(scores - torch.where(chunk_lse.isfinite(), chunk_lse, 0.0)[..., None])
-            value = torch.einsum("nhgk,nkhd->nhgd", probs, v_MHD[idx].float())
+            value = torch.einsum("nhgk,nkhd->nhgd", probs, v_MHD[idx].to(acc))
             out[n0:n1] = value.reshape(n1 - n0, num_q, -1).to(out.dtype)
             lse[n0:n1] = chunk_lse
         ctx.save_for_backward(q_NHD, k_MHD, v_MHD, rows_NK, valid_NK, out, lse)
@@ -89,22 +96,23 @@ class _SparseAttention(torch.autograd.Function):
         rows, num_q, _ = q_NHD.shape
         num_kv = k_MHD.shape[1]
         groups = num_q // num_kv
-        grad_q = torch.zeros(q_NHD.shape, dtype=torch.float32, device=q_NHD.device)
-        grad_k = torch.zeros(k_MHD.shape, dtype=torch.float32, device=k_MHD.device)
-        grad_v = torch.zeros(v_MHD.shape, dtype=torch.float32, device=v_MHD.device)
+        acc = _acc(q_NHD)
+        grad_q = torch.zeros(q_NHD.shape, dtype=acc, device=q_NHD.device)
+        grad_k = torch.zeros(k_MHD.shape, dtype=acc, device=k_MHD.device)
+        grad_v = torch.zeros(v_MHD.shape, dtype=acc, device=v_MHD.device)
         # delta = rowsum(dO * O), the softmax's correction term per query and head.
-        delta = (grad_out.float() * out.float()).sum(-1).view(rows, num_kv, groups)
+        delta = (grad_out.to(acc) * out.to(acc)).sum(-1).view(rows, num_kv, groups)
         for n0 in range(0, rows, chunk):
             n1 = min(rows, n0 + chunk)
             idx, valid = rows_NK[n0:n1], valid_NK[n0:n1]
-            k_nKhD, v_nKhD = k_MHD[idx].float(), v_MHD[idx].float()
+            k_nKhD, v_nKhD = k_MHD[idx].to(acc), v_MHD[idx].to(acc)
             scores = _scores(q_NHD[n0:n1], k_nKhD, valid, groups, scale)
             chunk_lse = lse[n0:n1]
             probs = torch.exp(scores - torch.where(chunk_lse.isfinite(), chunk_lse, 0.0)[..., None])
-            d_out = grad_out[n0:n1].float().view(n1 - n0, num_kv, groups, -1)
+            d_out = grad_out[n0:n1].to(acc).view(n1 - n0, num_kv, groups, -1)
             d_probs = torch.einsum("nhgd,nkhd->nhgk", d_out, v_nKhD)
             d_scores = probs * (d_probs - delta[n0:n1, ..., None]) * scale
-            q_nhgD = q_NHD[n0:n1].float().view(n1 - n0, num_kv, groups, -1)
+            q_nhgD = q_NHD[n0:n1].to(acc).view(n1 - n0, num_kv, groups, -1)
             grad_q[n0:n1] = torch.einsum("nhgk,nkhd->nhgd", d_scores, k_nKhD).reshape(n1 - n0, num_q, -1)
             flat = idx.reshape(-1)
             grad_k.index_add_(0, flat, torch.einsum("nhgk,nhgd->nkhd", d_scores, q_nhgD).flatten(0, 1))
@@ -125,7 +133,7 @@ def _with_dropout(q_NHD: torch.Tensor, k_MHD: torch.Tensor, v_MHD: torch.Tensor,
         scores = torch.where(valid.any(-1)[:, None, None, None], scores, 0.0)  # no visible key: zeroed below
         probs = torch.softmax(scores, dim=-1) * valid[:, None, None, :]
         probs = torch.nn.functional.dropout(probs, p=dropout_p, training=training)
-        out = torch.einsum("nhgk,nkhd->nhgd", probs, v_MHD[idx].float())
+        out = torch.einsum("nhgk,nkhd->nhgd", probs, v_MHD[idx].to(probs.dtype))
         outs.append(out.reshape(n1 - n0, num_q, -1).to(q_NHD.dtype))
     return torch.cat(outs, dim=0)
 

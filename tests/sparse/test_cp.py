@@ -18,14 +18,16 @@ pytestmark = pytest.mark.distributed
 
 SEQ_LEN = 96  # divisible by 2P for zigzag at P = 2, 4
 LENGTHS = (9, 23, 5, 41, 12)  # 90 tokens and 6 padding; 41 > S/P: split across ranks
-# (model type, placement, kv_exchange, activation checkpointing)
+# (model type, placement, kv_exchange, activation checkpointing, index_topk); index_topk 64: no document is longer,
+# so every rank takes the plain block-diagonal kernel over the latent buffer and the indexer moves nothing.
 CASES = (
-    ("deepseek_v32", "contiguous", "auto", False),
-    ("deepseek_v32", "zigzag", "auto", False),
-    ("deepseek_v32", "balanced", "allgather", False),
-    ("glm_moe_dsa", "contiguous", "a2a", True),
-    ("glm_moe_dsa", "zigzag", "auto", False),
-    ("glm_moe_dsa", "balanced", "auto", False),
+    ("deepseek_v32", "contiguous", "auto", False, 8),
+    ("deepseek_v32", "zigzag", "auto", False, 8),
+    ("deepseek_v32", "balanced", "allgather", False, 8),
+    ("glm_moe_dsa", "contiguous", "a2a", True, 8),
+    ("glm_moe_dsa", "zigzag", "auto", False, 8),
+    ("glm_moe_dsa", "balanced", "auto", False, 8),
+    ("deepseek_v32", "zigzag", "auto", False, 64),
 )
 
 
@@ -80,17 +82,17 @@ def _cases_worker(rank: int, world: int, cases: tuple) -> dict:
 
     report = {}
     refs = {}
-    for model_type, placement, strategy, checkpointing in cases:
-        stock, ours, config = models(model_type)
-        if model_type not in refs:
+    for model_type, placement, strategy, checkpointing, topk in cases:
+        stock, ours, config = models(model_type, topk=topk)
+        if (model_type, topk) not in refs:
             docs = documents(config, LENGTHS)
-            refs[model_type] = (docs, *_reference(stock, docs))
-        docs, ref_logits, ref_loss, ref_grads = refs[model_type]
+            refs[model_type, topk] = (docs, *_reference(stock, docs))
+        docs, ref_logits, ref_loss, ref_grads = refs[model_type, topk]
         ours.train()
         if checkpointing:
             ours.activation_checkpointing_enable()
         logits, where, loss, grads, ctx = _shard_run(ours, docs, placement, strategy)
-        key = f"{model_type}/{placement}/{strategy}/ckpt={checkpointing}"
+        key = f"{model_type}/{placement}/{strategy}/ckpt={checkpointing}/topk={topk}"
         want = ref_logits[where]
         err = float((logits - want).abs().max() / ref_logits.abs().max()) if where.numel() else 0.0
         assert err <= 1e-4, f"{key}: logits differ by {err:.2e}"
@@ -104,9 +106,10 @@ def _cases_worker(rank: int, world: int, cases: tuple) -> dict:
 
 def _expected_bytes(config, recv_rows: int) -> int:
     """Forward bytes one rank receives in one step: per layer the latent + rope key, and the indexer keys of a full
-    layer (fp32)."""
+    layer (fp32) when a document is longer than index_topk."""
     layers = config.num_hidden_layers
     full = layers if config.model_type == "deepseek_v32" else config.indexer_types.count("full")
+    full = full if max(LENGTHS) > config.index_topk else 0
     return 4 * recv_rows * (layers * (config.kv_lora_rank + config.qk_rope_head_dim) + full * config.index_head_dim)
 
 
@@ -117,13 +120,13 @@ def test_cp_matches_documents_alone_for_every_placement(world):
     reports = run_ranks(_cases_worker, world, CASES, timeout=300)
     for rank, report in enumerate(reports):
         for key, (strategy, recv_rows, calls, received) in report.items():
-            config = dsa_config(key.split("/")[0])
+            config = dsa_config(key.split("/")[0], topk=int(key.split("topk=")[1]))
             if strategy == "none":
                 continue
             # Forward exchanges (activation checkpointing replays the forward ones in backward: counted twice).
             per_step = _expected_bytes(config, recv_rows)
             assert received in (per_step, 2 * per_step), f"rank {rank} {key}: {received} bytes vs {per_step}"
     strategies = {key: v[0] for key, v in reports[0].items()}
-    assert strategies["deepseek_v32/balanced/allgather/ckpt=False"] == "allgather"
+    assert strategies["deepseek_v32/balanced/allgather/ckpt=False/topk=8"] == "allgather"
     assert any(s in ("halo", "a2a") for s in strategies.values())
     assert any(v[1] > 0 for r in reports for v in r.values()), "no rank received a key row: nothing was split"
