@@ -141,7 +141,7 @@ def select_cp(indexer: torch.nn.Module, ctx: BlockDiagCPContext, fragments: Any,
     topk = int(indexer.index_topk)
     step = sparse_step(ctx, q_BLHD.device)
     width = min(topk, ctx.full_len)
-    out_LK = torch.full((q_BLHD.shape[1], width), -1, dtype=torch.int64, device=q_BLHD.device)
+    out_LK = torch.full((q_BLHD.shape[1], width), -1, dtype=torch.int32, device=q_BLHD.device)
     everything = step.longest_doc <= topk  # every rank alike: no exchange, every earlier key selected
     keys_MD = None
     if not everything:
@@ -160,7 +160,7 @@ def select_cp(indexer: torch.nn.Module, ctx: BlockDiagCPContext, fragments: Any,
         doc_keys = keys_MD[step.key_row[frag.doc_start:frag.global_start + frag.length]]
         sel = document_topk(q_BLHD[0, rows], doc_keys, w_BLH[0, rows], scale, topk, q_offset=offset)
         out_LK[rows, :sel.shape[1]] = torch.where(sel >= 0, sel + frag.doc_start, -1)
-    return out_LK[None].to(torch.int32)
+    return out_LK[None]
 
 
 def attend_cp(ctx: BlockDiagCPContext, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,

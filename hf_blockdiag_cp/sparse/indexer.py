@@ -28,13 +28,13 @@ from typing import Any
 
 import torch
 
-from ..attention.mask import IndexerMask
+from ..attention.mask import BlockDiagMask, IndexerMask
 from ..compat import SPARSE_ATTENTIONS, SPARSE_INDEXER_ATTRS, SPARSE_INDEXER_PARAMS, SPARSE_INDEXERS, indexer_rope
-from ..errors import UnsupportedModel
+from ..errors import MaskConsumedError, UnsupportedModel
 from .cp import expand_kv, select_cp
 from .topk import document_topk
 
-__all__ = ["INDEXERS", "install_indexers", "is_served_indexer", "served_indices_refusal", "uninstall_indexers"]
+__all__ = ["INDEXERS", "REFUSED_INDEXERS", "install_indexers", "is_served_indexer", "served_indices_refusal", "uninstall_indexers"]
 
 #: Indexer classes served per document (their RoPE layout: :data:`~hf_blockdiag_cp.compat.SPARSE_INDEXERS`).
 INDEXERS = frozenset(SPARSE_INDEXERS)
@@ -43,6 +43,18 @@ _ORIGINAL = "_blockdiag_cp_indexer_original"
 _PROBE = "_blockdiag_cp_indexer_probe"
 #: On a served DSA attention layer: its original bound ``expand_kv``.
 _ORIGINAL_EXPAND = "_blockdiag_cp_expand_kv_original"
+
+
+#: Indexers of other shapes, refused at their forward on blockdiag_cp's mask (why, and what serving them would need).
+REFUSED_INDEXERS: dict[str, str] = {
+    "Qwen4ExpTextQSAIndexer": (
+        "its QSA indexer (Qwen4ExpTextQSAIndexer) is not served by blockdiag_cp: it mean-pools the keys in blocks of "
+        "indexer_compress_ratio visible tokens, selects blocks with torch.topk (ties broken by absolute position), and "
+        "returns the selection as a dense boolean [B, 1, L, S] mask that Qwen4ExpTextAttention.forward ANDs with the "
+        "4-D attention mask before calling attention: there is no indices= channel to the attention function, so "
+        "serving it needs a replacement of the attention layer's forward and a block-sparse attention (not "
+        "implemented). Use attn_implementation='sdpa' or 'eager' for this model"),
+}
 
 
 def is_served_indexer(module: torch.nn.Module) -> bool:
@@ -70,6 +82,9 @@ def install_indexers(model: torch.nn.Module, probe: Any) -> int:
             if _ORIGINAL_EXPAND not in module.__dict__:
                 module.__dict__[_ORIGINAL_EXPAND] = module.expand_kv
                 module.__dict__["expand_kv"] = MethodType(_expand_kv, module)
+        if type(module).__name__ in REFUSED_INDEXERS and _ORIGINAL not in module.__dict__:
+            module.__dict__[_ORIGINAL] = module.forward
+            module.__dict__["forward"] = MethodType(_refused_forward, module)
         if type(module).__name__ not in INDEXERS:
             continue
         _check_indexer(module)
@@ -118,6 +133,14 @@ def _indexer_forward(self: torch.nn.Module, hidden_states: torch.Tensor, q_resid
         return _select(self, hidden_states, q_resid, position_embeddings, attention_mask, cache)
 
 
+def _refused_forward(self: torch.nn.Module, hidden_states: torch.Tensor, position_embeddings: Any,
+                     attention_mask: Any, *args: Any, **kwargs: Any) -> Any:
+    """An indexer of :data:`REFUSED_INDEXERS`: unchanged on a tensor mask, refused on blockdiag_cp's."""
+    if isinstance(attention_mask, BlockDiagMask):
+        raise MaskConsumedError(f"{attention_mask.model_type}: {REFUSED_INDEXERS[type(self).__name__]}")
+    return self.__dict__[_ORIGINAL](hidden_states, position_embeddings, attention_mask, *args, **kwargs)
+
+
 def _held_runs(probe: Any) -> Any:
     return probe.runs if probe is not None and probe.holds_step() else None
 
@@ -151,7 +174,7 @@ def _select(self: torch.nn.Module, hidden_states: torch.Tensor, q_resid: torch.T
         k_BSD = cache.update_indexer(k_BSD, self.layer_idx)
     keys = k_BSD.shape[1]
     width = min(int(self.index_topk), keys)
-    out_BLK = torch.full((batch, local_len, width), -1, dtype=torch.int64, device=hidden_states.device)
+    out_BLK = torch.full((batch, local_len, width), -1, dtype=torch.int32, device=hidden_states.device)
     scale = float(self.softmax_scale)
     if runs is not None:
         if runs.batch_size != batch or runs.local_len != local_len or keys != local_len:
@@ -164,7 +187,7 @@ def _select(self: torch.nn.Module, hidden_states: torch.Tensor, q_resid: torch.T
             sel = document_topk(q_BLHD[frag.row, rows], k_BSD[frag.row, rows], w_BLH[frag.row, rows], scale,
                                 int(self.index_topk))
             out_BLK[frag.row, rows, :sel.shape[1]] = torch.where(sel >= 0, sel + frag.start, -1)
-        return out_BLK.to(torch.int32)
+        return out_BLK
     # One document per row: the row's keys (a cache's included), queries bottom-right, padding keys never selected.
     padding = attention_mask.mask.padding_mask
     if padding is not None and padding.shape[-1] != keys:
@@ -173,7 +196,7 @@ def _select(self: torch.nn.Module, hidden_states: torch.Tensor, q_resid: torch.T
         sel = document_topk(q_BLHD[b], k_BSD[b], w_BLH[b], scale, int(self.index_topk), q_offset=keys - local_len,
                             key_valid=None if padding is None else padding[b])
         out_BLK[b, :, :sel.shape[1]] = sel
-    return out_BLK.to(torch.int32)
+    return out_BLK
 
 
 def _project(self: torch.nn.Module, hidden_states: torch.Tensor, q_resid: torch.Tensor,

@@ -95,3 +95,23 @@ def test_generate_left_padded_equals_the_stock_model(model_type):
     with stable_indexer_topk(stock):
         want = stock.generate(ids, **kwargs)
     assert torch.equal(ours.generate(ids, **kwargs), want)
+
+
+def test_qwen4_exp_text_qsa_indexer_is_refused_naming_what_is_missing():
+    """Its block-compressed indexer hands attention a dense selection mask: refused with the reason, not a generic
+    mask error; with a tensor mask (sdpa) the indexer is the stock one."""
+    import copy
+
+    from hf_blockdiag_cp.conformance.configs import tiny_config
+    from hf_blockdiag_cp.conformance.runs import build_model, forward_logits, make_documents
+
+    config = copy.deepcopy(tiny_config("qwen4_exp_text"))
+    config.num_hidden_layers = 1
+    config.layer_types = config.layer_types[:1]
+    if "full_attention" not in config.layer_types:
+        config.layer_types = ["full_attention"]
+    ours, stock = build_model(config, "blockdiag_cp"), build_model(config, "sdpa")
+    docs = make_documents(config, lengths=(9, 7))
+    with pytest.raises(MaskConsumedError, match=r"qwen4_exp_text: its QSA indexer .* no indices= channel"):
+        ours(**packed_inputs(docs, "position_ids"), use_cache=False)
+    assert torch.isfinite(forward_logits(stock, docs[0][None])).all()
