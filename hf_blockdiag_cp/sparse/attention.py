@@ -10,8 +10,8 @@ step's CP geometry (:mod:`.cp`), so the indexer's selection can never widen what
 Memory: the forward and the backward gather the selected keys and values chunk by chunk of queries (an 8 MiB
 budget) and keep none of them: what is saved for the backward is ``q, k, v``, the output, its log-sum-exp ``[N, Hq]``
 and a reference to the indexer's ``[B, L, K]`` indices (as FlashAttention recomputes its probabilities), never an
-``[L, S]`` matrix nor ``[N, K, Hkv, D]`` gathered keys. With attention dropout (DSA checkpoints use none) autograd runs the same math and keeps each chunk's
-gathered keys.
+``[L, S]`` matrix nor ``[N, K, Hkv, D]`` gathered keys. With attention dropout (DSA checkpoints use none)
+autograd runs the same math and keeps each chunk's gathered keys.
 """
 
 from __future__ import annotations

@@ -34,7 +34,8 @@ from ..errors import MaskConsumedError, UnsupportedModel
 from .cp import expand_kv, select_cp
 from .topk import document_topk
 
-__all__ = ["INDEXERS", "REFUSED_INDEXERS", "install_indexers", "is_served_indexer", "served_indices_refusal", "uninstall_indexers"]
+__all__ = ["INDEXERS", "REFUSED_INDEXERS", "install_indexers", "is_served_indexer", "served_indices_refusal",
+           "uninstall_indexers"]
 
 #: Indexer classes served per document (their RoPE layout: :data:`~hf_blockdiag_cp.compat.SPARSE_INDEXERS`).
 INDEXERS = frozenset(SPARSE_INDEXERS)
