@@ -170,9 +170,9 @@ def exchange_table() -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--tokens", type=int, default=32768)
-    parser.add_argument("--topk", type=int, default=64)
-    parser.add_argument("--no-measure", action="store_true")
+    parser.add_argument("--tokens", type=int, default=32768, help="tokens of the row (one document)")
+    parser.add_argument("--topk", type=int, default=64, help="index_topk of the sparse model")
+    parser.add_argument("--no-measure", action="store_true", help="print the exchange arithmetic only")
     parser.add_argument("--worker", choices=CASES, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
