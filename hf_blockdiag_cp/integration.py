@@ -72,7 +72,8 @@ from .model.detect import refuse_bypassing_model, uses_blockdiag_cp
 from .model.prepare import attention_context, prepare_model
 from .model.subconfigs import fill_unresolved, spread_attn_implementation, switch_attn_implementation
 from .runtime import DevicePlan, device_plan
-from .sparse import query_bounds, served_indices_refusal, sparse_attention
+from .sparse import query_bounds, selects_everything, served_indices_refusal, sparse_attention
+from .sparse.cp import attend_cp
 
 __all__ = ["ATTN_IMPLEMENTATION", "PATCHED_METHODS", "STRATEGIES", "WRAPPED_ATTR", "BlockDiagMask", "LayerCall",
            "blockdiag_cp_attention", "blockdiag_cp_mask", "patch_transformers", "patched_function",
@@ -122,8 +123,8 @@ def blockdiag_cp_attention(module: torch.nn.Module, query: torch.Tensor, key: to
         refusal = served_indices_refusal(module)
         if refusal is not None:
             raise Refusal(f"{model_type}: {refusal}; blockdiag_cp refuses rather than ignore them")
-    # Keys that are neither the local rows nor a cache.
-    refuse_appended_keys(mask, query.shape[2], key.shape[2], model_type)
+    if not _latent_buffer(kwargs):  # a CP DSA layer's keys are its exchange buffer (hf_blockdiag_cp/sparse/cp.py)
+        refuse_appended_keys(mask, query.shape[2], key.shape[2], model_type)  # neither the local rows nor a cache
     if mask is not None:
         if mask.spec.refusal is not None:
             raise Refusal(f"{model_type}: {mask.spec.refusal}; blockdiag_cp cannot serve this mask")
@@ -151,6 +152,12 @@ def blockdiag_cp_attention(module: torch.nn.Module, query: torch.Tensor, key: to
     with autocast_off:
         out = STRATEGIES[strategy](call)  # [B*L, Hq, Dv] (or [B, L, Hq, Dv])
     return out.reshape(query.shape[0], query.shape[2], query.shape[1], value.shape[-1]), None
+
+
+def _latent_buffer(kwargs: dict[str, Any]) -> bool:
+    """Whether the keys are a DSA layer's CP exchange buffer (its served ``expand_kv`` moved the MLA latent)."""
+    ctx = kwargs.get("cp_context")
+    return kwargs.get("indices") is not None and isinstance(ctx, BlockDiagCPContext) and ctx.cp_size > 1
 
 
 def _check_blocks(module: torch.nn.Module, mask: BlockDiagMask, ctx: Any, model_type: str,
@@ -218,14 +225,10 @@ def _strategy(attention_mask: Any, mask: BlockDiagMask | None, ctx: Any, sparse:
         return "sparse" if sparse else "keywords"
     if not isinstance(ctx, BlockDiagCPContext):
         raise TypeError(f"cp_context must be a BlockDiagCPContext, got {type(ctx).__name__}")
-    if mask is not None and (mask.q_offset or mask.kv_offset or k_shape[2] != q_shape[2]):
+    buffer = sparse and ctx.cp_size > 1  # the keys are the exchange buffer, checked by the sparse path
+    if mask is not None and (mask.q_offset or mask.kv_offset or (k_shape[2] != q_shape[2] and not buffer)):
         raise ValueError("cp_context cannot be combined with a KV cache; pass use_cache=False when training")
     ctx.check_local(q_shape[0], q_shape[2])
-    if sparse and ctx.cp_size > 1:
-        raise Refusal(
-            f"sparse indexer attention (indices=) under context parallelism (CP size {ctx.cp_size}) is not "
-            "implemented by blockdiag_cp: the selected keys of a document split over ranks (the MLA latent and rope "
-            "key) would have to be exchanged; run it with CP size 1")
     if sparse:
         return "sparse"
     if ctx.cp_size == 1:
@@ -267,12 +270,17 @@ def _local(call: LayerCall) -> torch.Tensor:
 
 
 def _sparse(call: LayerCall) -> torch.Tensor:
-    """``indices=`` from a DSA indexer served per document (CP = 1): attention over the selected keys, within the
-    same plan's bounds as the dense path (the context's, else the keyword arguments')."""
+    """``indices=`` from a DSA indexer served per document: attention over the selected keys, within the same
+    plan's bounds as the dense path (the context's, else the keyword arguments'); under CP over the exchange buffer
+    of the MLA latent (:func:`~hf_blockdiag_cp.sparse.cp.attend_cp`). When no query may see more keys than it
+    selects, the plain block-diagonal kernel (the same result)."""
     for what, value in (("a sliding window", call.window), ("softcap", call.softcap), ("attention sinks", call.sinks),
                         ("chunked attention", call.chunk_size)):
         if value is not None:
             raise Refusal(f"blockdiag_cp's sparse indexer attention does not implement {what}")
+    if call.ctx is not None and call.ctx.cp_size > 1:
+        return attend_cp(call.ctx, call.query, call.key, call.value, call.kwargs["indices"], scale=call.scale,
+                         dropout_p=call.dropout)
     if call.ctx is not None:
         plan, config = device_plan(call.ctx, call.query.device, None), call.ctx.config
     else:
@@ -282,6 +290,8 @@ def _sparse(call: LayerCall) -> torch.Tensor:
     batch, local_len = call.query.shape[0], call.query.shape[2]
     if indices.dim() != 3 or tuple(indices.shape[:2]) != (batch, local_len):
         raise ValueError(f"indices must be [B={batch}, L={local_len}, K], got shape {tuple(indices.shape)}")
+    if selects_everything(plan.plan, indices.shape[-1]):
+        return _run_local(call, plan, config)
     return sparse_attention(flat_rows(call.query), flat_rows(call.key), flat_rows(call.value), indices,
                             query_bounds(plan.plan, call.query.device), scale=call.scale, dropout_p=call.dropout,
                             training=call.dropout > 0)
@@ -293,7 +303,7 @@ STRATEGIES: dict[str, Callable[[LayerCall], torch.Tensor]] = {
     "user_mask": _user_mask,  # a caller-built 4-D mask: dense SDPA with that exact mask
     "keywords": _keywords,  # no cp_context: plan from cu_seq_lens / position_ids
     "local": _local,  # cp_context with cp_size == 1
-    "sparse": _sparse,  # indices= from a DSA indexer served per document, CP = 1 (hf_blockdiag_cp/sparse)
+    "sparse": _sparse,  # indices= from a DSA indexer served per document, any CP size (hf_blockdiag_cp/sparse)
     "sequence": attend_sequence,  # cp_size > 1, ulysses_size == 1 (attention/cp.py)
     "head_parallel": head_parallel_attention,  # cp_size > 1, ulysses_size > 1 (attention/ulysses_path.py)
 }

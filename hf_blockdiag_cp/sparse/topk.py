@@ -32,7 +32,7 @@ def index_scores(q_nHD: torch.Tensor, k_mD: torch.Tensor, w_nH: torch.Tensor, sc
 
 
 def document_topk(q_nHD: torch.Tensor, k_mD: torch.Tensor, w_nH: torch.Tensor, scale: float, topk: int, *,
-                  q_offset: int = 0, key_valid: torch.Tensor | None = None, q_block: int = 1024,
+                  q_offset: int = 0, key_valid: torch.Tensor | None = None, q_block: int = 256,
                   k_block: int = 1024) -> torch.Tensor:
     """The selected keys of each query of one document.
 

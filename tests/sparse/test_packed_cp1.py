@@ -64,16 +64,39 @@ def test_packed_rows_match_documents_alone_with_the_stable_rule(model_type):
 
 
 @pytest.mark.parametrize("model_type", MODEL_TYPES)
-def test_documents_shorter_than_index_topk_select_every_earlier_key(model_type):
-    """index_topk (64) longer than every document and than the row: identical to the plain stock model."""
+def test_documents_shorter_than_index_topk_take_the_plain_path(model_type, monkeypatch):
+    """index_topk (64) longer than every document and than the row: identical to the plain stock model, through the
+    plain block-diagonal kernel (no sparse gather), and the indexer scores nothing (its projections only)."""
+    import hf_blockdiag_cp.integration as integration
+    import hf_blockdiag_cp.sparse.topk as topk
+
     stock, ours, config = models(model_type, topk=64)
     docs = documents(config, lengths=(9, 23, 5, 12))
     ref_logits, ref_loss, ref_grads = _reference(stock, docs)
     plain = [forward_logits(stock, d[None])[0] for d in docs]
     assert torch.equal(torch.cat(plain).detach(), ref_logits)
+
+    def forbidden(*args, **kwargs):
+        raise AssertionError("the sparse path ran for documents no longer than index_topk")
+    monkeypatch.setattr(integration, "sparse_attention", forbidden)
+    monkeypatch.setattr(topk, "index_scores", forbidden)
     for variant in VARIANTS:
         logits, loss, grads = _packed(ours, docs, variant)
         assert _rel(logits, ref_logits) <= 1e-4 and grad_error(grads, ref_grads) <= 1e-4, variant
+
+
+def test_one_long_document_takes_the_sparse_path(monkeypatch):
+    """The same short documents and one longer than index_topk: the sparse path serves the step."""
+    import hf_blockdiag_cp.integration as integration
+
+    stock, ours, config = models("deepseek_v32", topk=16)
+    docs = documents(config, lengths=(9, 5, 30))
+    ref_logits, _, ref_grads = _reference(stock, docs)
+    calls = []
+    original = integration.sparse_attention
+    monkeypatch.setattr(integration, "sparse_attention", lambda *a, **k: calls.append(1) or original(*a, **k))
+    logits, _, grads = _packed(ours, docs, "collator")
+    assert calls and _rel(logits, ref_logits) <= 1e-4 and grad_error(grads, ref_grads) <= 1e-4
 
 
 def test_activation_checkpointing_replays_the_selection():
