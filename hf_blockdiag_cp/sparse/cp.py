@@ -31,13 +31,13 @@ from typing import Any
 
 import torch
 
-from ..attention.core import flat_rows, kernel_spec
-from ..attention.layer import kv_exchange, require_live_group, run_kernel, step_backend
+from ..attention.core import attend_flat, flat_rows, kernel_spec
+from ..attention.layer import kernel_name, kv_exchange, step_backend
 from ..context import BlockDiagCPContext
 from ..distributed import RankExchange, exchange_kv
 from ..errors import Refusal
 from ..planning.documents import document_runs
-from ..runtime import StepRuntime, device_plan, step_runtime
+from ..runtime import StepRuntime, device_plan, require_live_group, step_runtime
 from .attention import sparse_attention
 from .topk import document_topk
 
@@ -179,8 +179,9 @@ def attend_cp(ctx: BlockDiagCPContext, query: torch.Tensor, key: torch.Tensor, v
         spec = kernel_spec(query, key, value, dropout_p=dropout_p, window=None, softcap=None, sinks=None,
                            noncausal=False)
         backend = step_backend(ctx, spec, query.device)
-        return run_kernel(ctx, flat_rows(query), flat_rows(key), flat_rows(value), plan, backend, scale=scale,
-                          dropout_p=dropout_p, window=None, softcap=None, sinks=None)
+        with step_runtime(ctx).guard(ctx, kernel_name(backend)):
+            return attend_flat(flat_rows(query), flat_rows(key), flat_rows(value), plan.plan, backend, scale=scale,
+                               dropout_p=dropout_p, config=ctx.config, schedules=plan.schedules)
     return sparse_attention(flat_rows(query), flat_rows(key), flat_rows(value), indices,
                             (step.query_lo, step.query_hi), scale=scale, dropout_p=dropout_p,
                             training=dropout_p > 0, key_rows=step.key_row)

@@ -129,6 +129,16 @@ def chunk_layout(seq_lens: list[int], chunk_size: int, device: torch.device) -> 
     )
 
 
+def segment_sums(values: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
+    """Per sequence of ``cu_seqlens`` (``N + 1`` offsets), the sum of its rows of ``values [T, ...]``: ``[N, ...]``.
+
+    Summed per segment (device-side, no host lengths), not as differences of one running sum over the row: a
+    non-finite value then stays in its own sequence's sum."""
+    cu = cu_seqlens.long()
+    segment = torch.searchsorted(cu[1:], torch.arange(values.shape[0], device=values.device), right=True)
+    return values.new_zeros(cu.numel() - 1, *values.shape[1:]).index_add(0, segment, values)
+
+
 def initial_states(given: torch.Tensor | None, shape: tuple[int, ...], like: torch.Tensor,
                    dtype: torch.dtype) -> torch.Tensor:
     """``given`` (one state per sequence, ``shape``) in ``dtype``, zeros like ``like`` when ``None``."""

@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ._layout import chunk_layout, compute_dtype, scan_states, seq_lens_of
+from ._layout import chunk_layout, compute_dtype, scan_states, segment_sums, seq_lens_of
 
 
 def _delta(delta: torch.Tensor, delta_bias: torch.Tensor | None, delta_softplus: bool,
@@ -108,9 +108,7 @@ def selective_scan_transition(delta: torch.Tensor, A: torch.Tensor, *, delta_bia
     a = _delta(delta.reshape(-1, channels), delta_bias, delta_softplus, dtype)[:, :, None] * A.to(dtype)
     if cu_seqlens is None:
         return a.view(batch, length, *A.shape).sum(1)
-    csum = torch.cat([a.new_zeros(1, *A.shape), a.cumsum(0)], dim=0)
-    cu = cu_seqlens.long()
-    return csum.index_select(0, cu[1:]) - csum.index_select(0, cu[:-1])
+    return segment_sums(a, cu_seqlens)
 
 
 def selective_scan_reference(u, delta, A, B, C, D=None, z=None, delta_bias=None, delta_softplus=False, *,

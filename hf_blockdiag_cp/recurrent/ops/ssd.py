@@ -14,7 +14,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from ._layout import chunk_layout, compute_dtype, initial_states, scan_states, seq_lens_of
+from ._layout import chunk_layout, compute_dtype, initial_states, scan_states, segment_sums, seq_lens_of
 
 
 def _discretised_dt(dt: torch.Tensor, dt_bias: torch.Tensor | None, dt_softplus: bool,
@@ -104,10 +104,7 @@ def ssd_transition(dt: torch.Tensor, A: torch.Tensor, *, dt_bias: torch.Tensor |
     a = (_discretised_dt(dt, dt_bias, dt_softplus, dt_limit, dtype) * A.to(dtype)).reshape(-1, heads)
     if cu_seqlens is None:
         return a.view(batch, length, heads).sum(1)
-    # segment sums from the cumulative sum (device-side, no host lengths needed)
-    csum = torch.cat([a.new_zeros(1, heads), a.cumsum(0)], dim=0)
-    cu = cu_seqlens.long()
-    return csum.index_select(0, cu[1:]) - csum.index_select(0, cu[:-1])
+    return segment_sums(a, cu_seqlens)
 
 
 def ssd_chunk_scan_reference(x, dt, A, B, C, *, D=None, dt_bias=None, dt_softplus=False,
