@@ -56,6 +56,7 @@ def _worker(rank: int, world: int) -> dict:
 
     import hf_blockdiag_cp as bd
     from hf_blockdiag_cp.mixer_hooks import install_recurrent
+    from hf_blockdiag_cp.model import ForwardState
     from hf_blockdiag_cp.recurrent.runs import local_runs
 
     _register()
@@ -74,8 +75,7 @@ def _worker(rank: int, world: int) -> dict:
         ref = _reference(x_ref, a_ref, ids)
         ref_grads = torch.autograd.grad((ref * weight).sum(), (x_ref, a_ref))
         mixer = StandInMixer()
-        probe = type("Probe", (), {"runs": local_runs({"cp_context": ctx}, True), "attention_calls": 0,
-                                   "holds_step": lambda self: True})()
+        probe = ForwardState(runs=local_runs({"cp_context": ctx}, True), starts={0: 0})  # a forward in progress
         assert install_recurrent(mixer, probe) == 1
         x = x_full[index][None].clone().requires_grad_()
         a = a_full[index][None].clone().requires_grad_()
