@@ -399,3 +399,57 @@ def test_vlm_forwards_hand_their_kwargs_to_the_loss(model_type, expected):
     model = build_vlm(tiny_vlm_config(model_type))
     assert compat.forwards_loss_kwargs(model) is expected
     assert not compat.forwards_loss_kwargs(torch.nn.Linear(2, 2))
+
+
+# ---- transformers / kernels: the recurrent mixers' private wrappers -------------------------------------------
+
+def test_kernelized_mixers_hold_their_wrappers_under_the_private_attribute():
+    from hf_blockdiag_cp.conformance.configs import tiny_config
+    from hf_blockdiag_cp.conformance.runs import build_model
+    from hf_blockdiag_cp.mixer_table import SCANS
+
+    model = build_model(tiny_config("qwen3_next"), None)
+    mixer = next(m for m in model.modules() if type(m).__name__ == "Qwen3NextGatedDeltaNet")
+    funcs = compat.kernel_functions(mixer)
+    assert funcs is mixer.__dict__[compat.KERNEL_FUNCS_ATTR]
+    assert {"causal_conv1d_fn", "chunk_gated_delta_rule"} <= set(funcs) and set(funcs) & set(SCANS)
+    assert all(callable(getattr(w, "forward", None)) for w in funcs.values())  # what kernelize (and we) replace
+    assert compat.kernel_functions(torch.nn.Linear(2, 2)) is None
+
+
+def test_rglru_runs_its_scan_in_the_private_method():
+    import inspect
+
+    from transformers.models.recurrent_gemma.modeling_recurrent_gemma import RecurrentGemmaRglru
+
+    params = tuple(inspect.signature(getattr(RecurrentGemmaRglru, compat.RGLRU_SCAN_METHOD)).parameters)
+    assert params[:5] == ("self", "hidden_states", "recurrent_gate", "reset", "recurrent_states")
+
+
+def test_without_kernels_a_hybrid_is_refused_naming_it():
+    """``kernels`` hidden from the interpreter (as if not installed): transformers wires no wrappers, and a packed
+    batch of a hybrid is refused naming the missing package (not "no per-document reset")."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys\n"
+        "sys.modules['kernels'] = None\n"
+        "import hf_blockdiag_cp as bd\n"
+        "from hf_blockdiag_cp.errors import Refusal\n"
+        "from hf_blockdiag_cp.compat import kernels_available\n"
+        "from hf_blockdiag_cp.conformance.configs import tiny_config\n"
+        "from hf_blockdiag_cp.conformance.runs import build_model\n"
+        "assert not kernels_available()\n"
+        "model = build_model(tiny_config('qwen3_next'), 'blockdiag_cp')\n"
+        "batch = bd.PackingCollator(32, pad_token_id=0)([{'input_ids': list(range(1, 11))}, "
+        "{'input_ids': list(range(1, 15))}])\n"
+        "try:\n"
+        "    model(**batch)\n"
+        "except Refusal as err:\n"
+        "    print('REFUSED', err)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert "REFUSED" in out.stdout, out.stderr[-2000:]
+    assert "`kernels` package, which is not installed" in out.stdout
+    assert compat.kernels_available()  # this process has it
