@@ -25,7 +25,7 @@ Mixers whose scan is an instance method of the module rather than a replaceable 
 Mixers whose linear recurrence runs inside their own ``forward`` are listed in :data:`STATEFUL` and served whole;
 modules that are one scan taking their initial state as arguments (xLSTM's mLSTM backend), in :data:`SCAN_MODULES`.
 
-A transformers upgrade that renames one of them fails ``tests/recurrent/test_functions.py`` (the names and
+A transformers upgrade that renames one of them fails ``tests/recurrent/test_packed_cp1.py`` (the names and
 parameters below are checked against the installed model files), not a user.
 """
 

@@ -1,8 +1,9 @@
-"""Recurrent token mixers (Mamba1/2, gated delta rule, KDA, short convolutions) on packed rows and CP shards.
+"""Recurrent token mixers (Mamba1/2, gated delta rule, KDA, RG-LRU, mLSTM, lightning, convolutions) on packed rows
+and CP shards: math and context parallelism only (README.md in this folder has the notation and the data flow).
 
-:mod:`.functions` lists transformers' replaceable functions served, :mod:`.runs` the fragments of a forward's
-local rows, :mod:`.install` what :func:`~hf_blockdiag_cp.model.prepare_model` puts on a model's mixers, and
-:mod:`.state_passing` the exchange of fragment summaries between CP ranks (``recurrent_layout="state"``),
-:mod:`.head_parallel` the head-parallel fallback (``"heads"``), :mod:`.agreement` the step's rank agreement before
-the first recurrent collective. The kernels live in :mod:`.ops`.
+:mod:`.kinds` the mixer kinds, :mod:`.algebra` the state algebras, :mod:`.driver` the one algorithm,
+:mod:`.scan_runner` / :mod:`.module_runners` the runners, :mod:`.serve` the entry of a served call, :mod:`.runs` the
+fragments of a forward, :mod:`.head_parallel` the head-parallel fallback (``recurrent_layout="heads"``),
+:mod:`.backend` which kernel runs a call; the kernels live in :mod:`.ops`. Which transformers mixers are served and
+how they reach this package: :mod:`hf_blockdiag_cp.mixer_table`, :mod:`hf_blockdiag_cp.mixer_hooks`.
 """

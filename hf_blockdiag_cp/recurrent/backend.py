@@ -5,8 +5,8 @@ resolves the request once per forward (:func:`forward_backend`, on the host: the
 this process can import) and per call (:func:`call_backend`, a pure function of the forward's choice, the mixer
 kind and the call's arguments, so every CP rank resolves alike from the same agreed inputs):
 
-- ``"model"``: transformers' function once per document fragment (:mod:`.install`, :mod:`.state_passing`).
-- ``"torch"``: :data:`~.ops.TORCH_OPS`, one varlen call per served call (:mod:`.op_call`).
+- ``"model"``: transformers' function once per document fragment (:class:`~.scan_runner.ScanRunner`).
+- ``"torch"``: :data:`~.ops.TORCH_OPS`, one varlen call per served call (the same runner).
 - ``"fla"`` / ``"mamba_ssm"``: :data:`~.ops.adapters.LIBRARY_OPS` for the kinds the library covers (``fla``: gated
   delta rule, KDA; ``mamba_ssm``: SSD, Mamba1; both: the short convolution through causal-conv1d), where the
   adapter says it can run the call; the torch op otherwise.
