@@ -1,4 +1,4 @@
-"""The hybrid placement cost model: bytes formula, slots, the choice, and unchanged placements without recurrent layers."""
+"""The hybrid placement cost model: bytes formula, slots, the choice; placements unchanged without recurrent layers."""
 
 from __future__ import annotations
 
