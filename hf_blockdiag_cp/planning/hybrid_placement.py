@@ -230,7 +230,7 @@ class PlacementChoice:
 
     def reason(self) -> str:
         """One line for logs: the choice and why (every candidate's modelled cost)."""
-        rows = ", ".join(f"{c.name}: {c.cost_s * 1e3:.2f} ms (imbalance {c.imbalance:.3f}, {c.slots} slots, "
+        rows = ", ".join(f"{c.name}: {c.cost_s * 1e3:.4g} ms (imbalance {c.imbalance:.3f}, {c.slots} slots, "
                          f"{c.recurrent_bytes / 2 ** 20:.1f} MiB/layer)" for c in self.table)
         return f"placement -> {self.cost.name}: least attention + recurrent state time [{rows}]"
 
