@@ -17,7 +17,7 @@ three piece sizes, contiguous, zigzag; ties go to the earlier one (balanced firs
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -28,12 +28,12 @@ from .layout import BACKWARD_FACTOR, CostModel
 from .placement import Placement, _placement_of_ranges, make_placement, rank_work
 from .recurrent_cost import RecurrentShape, recurrent_bytes, summary_slots
 
-__all__ = ["HYBRID_PIECES", "PlacementChoice", "PlacementCost", "choose_placement", "hybrid_placement",
+__all__ = ["HYBRID_SLOTS", "PlacementChoice", "PlacementCost", "choose_placement", "hybrid_placement",
            "placement_cost"]
 
-#: Work of the largest piece a hybrid placement cuts, as fractions of the mean work per rank: each a candidate.
-#: A piece of the mean's work fills one rank (one sender); smaller pieces balance better and send more.
-HYBRID_PIECES: tuple[float, ...] = (1.0, 0.5, 0.25)
+#: Senders per rank the hybrid placement's balancing trades may add to what its cuts leave (``None``: no bound):
+#: each a candidate. A looser bound balances better and sends more.
+HYBRID_SLOTS: tuple[int | None, ...] = (0, 1, 2, None)
 
 
 def _cut(doc: int, start: int, length: int, cap: float, local_len: int, windows: Sequence[int | None]
@@ -54,34 +54,65 @@ def _cut(doc: int, start: int, length: int, cap: float, local_len: int, windows:
     return items
 
 
+def _sends(item: Item, spans: list[tuple[int, int]]) -> int:
+    """Summaries ``item`` sends: its ranges that a later part of their document follows (not on its heels)."""
+    ranges, doc_end = item.ranges, spans[item.doc][1]
+    return sum(1 for k, (_, b) in enumerate(ranges) if b < doc_end and (k + 1 == len(ranges) or ranges[k + 1][0] != b))
+
+
 def _shave(placed: list[list[Item]], load: list[float], room: list[int], spans: list[tuple[int, int]],
-           tolerance: float, windows: Sequence[int | None]) -> None:
-    """While the most loaded rank exceeds the mean by more than ``tolerance``: trade the tail of its heaviest
-    contiguous item for as many tokens of the head of the least loaded rank's longest item (ranks stay full: a tail
-    holds the most work per token, a head the least). Each trade adds two senders on the loaded rank at most."""
+           tolerance: float, windows: Sequence[int | None], slots: int | None) -> None:
+    """While the most loaded rank exceeds the mean by more than ``tolerance``: move the tail of one of its contiguous
+    items (the most work per token) to a less loaded rank, which gives back as many tokens (ranks stay full): whole
+    items of least work per token where they shed enough (no new sender), else the head of its longest item (the
+    least work per token; one more sender). Only trades that leave no rank above ``slots`` senders are made (a cut
+    item's head sends; its tail sends where the item did)."""
     size = len(load)
     mean = sum(load) / size
-    for _ in range(2 * size):
+    sends = [sum(_sends(it, spans) for it in items) for items in placed]
+    for _ in range(4 * size):
         worst = max(range(size), key=lambda r: (load[r], -r))
-        target = min(range(size), key=lambda r: (load[r], r))
-        if load[worst] <= mean * (1 + tolerance) or target == worst:
+        if load[worst] <= mean * (1 + tolerance):
             return
-        shed = min(load[worst] - mean, mean - load[target])
-        ours = [i for i, it in enumerate(placed[worst]) if len(it.ranges) == 1 and it.tokens > 1]
-        theirs = [i for i, it in enumerate(placed[target]) if len(it.ranges) == 1 and it.tokens > 1]
-        if not ours:
+        ours = sorted((i for i, it in enumerate(placed[worst]) if len(it.ranges) == 1 and it.tokens > 1),
+                      key=lambda i: -placed[worst][i].work)
+        for target in sorted((r for r in range(size) if r != worst and load[r] < mean), key=lambda r: (load[r], r)):
+            shed = min(load[worst] - mean, mean - load[target])
+            if any(_trade(placed, load, room, spans, windows, sends, slots, worst, target, i, shed) for i in ours):
+                break
+        else:
             return
-        i = max(ours, key=lambda k: placed[worst][k].work)
-        j = max(theirs, key=lambda k: placed[target][k].tokens) if theirs else None
-        (a, b), start = placed[worst][i].ranges[0], spans[placed[worst][i].doc][0]
-        limit = room[target] + (placed[target][j].tokens - 1 if j is not None else 0)
-        c2, d2, start2 = (*placed[target][j].ranges[0], spans[placed[target][j].doc][0]) if j is not None else (0,) * 3
 
-        def net(t: int) -> float:  # work the loaded rank sheds trading a tail of t tokens
+
+def _trade(placed: list[list[Item]], load: list[float], room: list[int], spans: list[tuple[int, int]],
+           windows: Sequence[int | None], sends: list[int], slots: int | None, worst: int, target: int, i: int,
+           shed: float) -> bool:
+    """Trade the tail of item ``i`` of ``worst`` with ``target`` within the ``slots`` bound (see :func:`_shave`);
+    whether a trade was made."""
+    item = placed[worst][i]
+    (a, b), start = item.ranges[0], spans[item.doc][0]
+    sent = _sends(item, spans)
+    cut_worst, cut_target = sends[worst] + 1 - sent, sends[target] + sent  # after the cut, before what comes back
+    bound = max(cut_target, cut_worst + 1) if slots is None else slots
+    if cut_target > bound or cut_worst > bound:
+        return False
+
+    def tail(t: int) -> float:
+        return piece_work(b - t - start, b - start, windows)
+
+    trade = _whole_trade(placed[target], room[target], b - a - 1, tail, shed)
+    if trade is not None:
+        t, back = trade
+        _move(placed, load, room, worst, target, i, b - t, start, windows, whole=back)
+    else:
+        theirs = [k for k, it in enumerate(placed[target]) if len(it.ranges) == 1 and it.tokens > 1]
+        j = max(theirs, key=lambda k: placed[target][k].tokens) if theirs else None
+        c, start2 = (placed[target][j].ranges[0][0], spans[placed[target][j].doc][0]) if j is not None else (0, 0)
+        limit = room[target] + (placed[target][j].tokens - 1 if j is not None and cut_worst < bound else 0)
+
+        def net(t: int) -> float:  # work the loaded rank sheds trading a tail of t tokens for a head
             back = max(t - room[target], 0)
-            return (piece_work(b - t - start, b - start, windows)
-                    - piece_work(c2 - start2, c2 + back - start2, windows) if back else
-                    piece_work(b - t - start, b - start, windows))
+            return tail(t) - (piece_work(c - start2, c + back - start2, windows) if back else 0.0)
 
         lo, hi = 0, min(b - a - 1, limit)
         while lo < hi:  # the longest tail whose net shed stays within ``shed`` (net grows with t)
@@ -90,45 +121,75 @@ def _shave(placed: list[list[Item]], load: list[float], room: list[int], spans: 
                 lo = mid
             else:
                 hi = mid - 1
-        if lo == 0:
-            return
-        back = max(lo - room[target], 0)
-        _trade(placed, load, room, (worst, i, b - lo, start), (target, j, c2 + back, start2) if back else None,
-               windows)
+        if lo == 0 or net(lo) < shed / 4:
+            return False
+        back_tokens = max(lo - room[target], 0)
+        _move(placed, load, room, worst, target, i, b - lo, start, windows,
+              head=(j, c + back_tokens, start2) if back_tokens else None)
+    for r in (worst, target):
+        sends[r] = sum(_sends(it, spans) for it in placed[r])
+    return True
 
 
-def _trade(placed: list[list[Item]], load: list[float], room: list[int], out: tuple[int, int, int, int],
-           back: tuple[int, int, int, int] | None, windows: Sequence[int | None]) -> None:
-    """Move the tail from ``cut`` of item ``out = (rank, index, cut, doc start)`` to the rank of ``back``'s
-    ``(rank, index, cut, doc start)`` (or the least loaded one), and the head before ``back``'s cut the other way."""
+def _whole_trade(items: list[Item], room: int, most: int, tail: Callable[[int], float], shed: float
+                 ) -> tuple[int, list[int]] | None:
+    """``(tail tokens, indices of whole items given back)``: the lightest-per-token whole items of the receiving rank
+    whose trade sheds the most work within ``shed``, if that is at least half of it; else ``None``."""
+    order = sorted(range(len(items)), key=lambda k: (items[k].work / items[k].tokens, k))
+    best, tokens, work, taken = None, room, 0.0, []
+    for k in [None, *order]:
+        if k is not None:
+            tokens, work = tokens + items[k].tokens, work + items[k].work
+            taken = [*taken, k]
+        if tokens > most:
+            break
+        net = tail(tokens) - work if tokens else 0.0
+        if net <= shed and (best is None or net > best[0]):
+            best = (net, tokens, taken)
+    if best is None or best[1] == 0 or best[0] < shed / 2:
+        return None
+    return best[1], best[2]
 
-    def split(rank: int, index: int, cut: int, doc_start: int) -> tuple[Item, Item]:
-        item = placed[rank][index]
-        (a, b), doc = item.ranges[0], item.doc
-        load[rank] -= item.work
-        room[rank] += item.tokens
-        return make_item(doc, doc_start, [(a, cut)], windows), make_item(doc, doc_start, [(cut, b)], windows)
 
-    def put(rank: int, index: int | None, item: Item) -> None:
-        if index is None:
+def _move(placed: list[list[Item]], load: list[float], room: list[int], worst: int, target: int, index: int,
+          cut: int, doc_start: int, windows: Sequence[int | None], *, whole: Sequence[int] = (),
+          head: tuple[int, int, int] | None = None) -> None:
+    """Item ``index`` of rank ``worst`` keeps ``[a, cut)``; ``[cut, b)`` goes to ``target``, which gives back the
+    items ``whole`` and, with ``head = (index, cut, doc start)``, the head of that item before its cut."""
+
+    def put(rank: int, item: Item, at: int | None = None) -> None:
+        if at is None:
             placed[rank].append(item)
         else:
-            placed[rank][index] = item
+            placed[rank][at] = item
         load[rank] += item.work
         room[rank] -= item.tokens
 
-    worst = out[0]
-    target = back[0] if back is not None else min(range(len(load)), key=lambda r: (load[r], r))
-    head, tail = split(*out)
-    if back is not None:
-        their_head, their_tail = split(*back)
-        put(target, back[1], their_tail)
-        put(worst, None, their_head)
-    put(worst, out[1], head)
-    put(target, None, tail)
+    def take(rank: int, at: int) -> Item:
+        item = placed[rank][at]
+        load[rank] -= item.work
+        room[rank] += item.tokens
+        return item
+
+    item = take(worst, index)
+    (a, b), doc = item.ranges[0], item.doc
+    given = [take(target, k) for k in whole]
+    for k in sorted(whole, reverse=True):
+        del placed[target][k]
+    if head is not None:
+        theirs = take(target, head[0])
+        (c, d), their_doc = theirs.ranges[0], theirs.doc
+        put(target, make_item(their_doc, head[2], [(head[1], d)], windows), head[0])
+        given.append(make_item(their_doc, head[2], [(c, head[1])], windows))
+    put(worst, make_item(doc, doc_start, [(a, cut)], windows), index)
+    put(target, make_item(doc, doc_start, [(cut, b)], windows))
+    for it in given:
+        put(worst, it)
 
 
-def hybrid_placement(doc_ids_row: torch.Tensor, cp_size: int, *, piece: float = 1.0, tolerance: float = 0.05,
+def hybrid_placement(doc_ids_row: torch.Tensor, cp_size: int, *, extra_slots: int | None = None,
+                     tolerance: float = 0.05,
+                     piece: float = 1.0,
                      windows: Sequence[int | None] = (None,)) -> Placement:
     """Balance causal work over ranks with documents cut into as few contiguous pieces as the balance allows.
 
@@ -136,12 +197,15 @@ def hybrid_placement(doc_ids_row: torch.Tensor, cp_size: int, *, piece: float = 
     into contiguous pieces of at most ``L`` tokens and that work. Items go heaviest first to the least loaded rank
     with room (an item that fits none is cut over the ranks with most room), then the balanced placement's local
     search moves or swaps whole items, and while the most loaded rank exceeds the mean by more than ``tolerance``
-    the tail of its heaviest piece is traded for light head tokens of the least loaded rank (:func:`_shave`). Each
-    piece sends at most one summary per recurrent layer; the balanced placement's head-tail pairs send two.
+    the tail of one of its pieces is traded for light tokens of a less loaded rank while no rank sends more than
+    ``extra_slots`` more summaries than the cuts left (:func:`_shave`). Each piece sends at most one summary per
+    recurrent layer; the balanced placement's head-tail pairs send two.
 
     Args:
         doc_ids_row: ``[S]`` document ids of the full row (0 = padding).
         cp_size: ``P``; ``S`` must be divisible by it.
+        extra_slots: the most senders the balancing trades may add to the most any rank has after the cuts
+            (``None``: no bound).
         piece: the most work of one piece, as a fraction of the mean work per rank (> 0).
         tolerance: accepted excess of the most loaded rank's work over the mean (>= 0).
         windows: the model's attention windows (``None`` = full causal) for the work model.
@@ -175,7 +239,8 @@ def hybrid_placement(doc_ids_row: torch.Tensor, cp_size: int, *, piece: float = 
     for items_of_rank in placed:  # the local search looks at each rank's heaviest items first
         items_of_rank.sort(key=lambda it: -it.work)
     improve(placed, load, room)
-    _shave(placed, load, room, spans, tolerance, windows)
+    senders = max(sum(_sends(it, spans) for it in its) for its in placed)
+    _shave(placed, load, room, spans, tolerance, windows, senders + extra_slots if extra_slots is not None else None)
     made = _placement_of_ranges([[r for item in its for r in item.ranges] for its in placed], room, spans, full_len)
     return Placement.from_runs("hybrid", made.runs, cp_size, local_len)
 
@@ -238,13 +303,15 @@ class PlacementChoice:
 def choose_placement(doc_ids_row: torch.Tensor, cp_size: int, shape: RecurrentShape, *, tolerance: float = 0.05,
                      windows: Sequence[int | None] = (None,), model: CostModel | None = None) -> PlacementChoice:
     """The cheapest placement of the row ``doc_ids_row [S]`` for a hybrid model of ``shape``: balanced (at
-    ``tolerance``), hybrid at each of :data:`HYBRID_PIECES`, contiguous, zigzag (when ``S`` is divisible by ``2P``),
-    by :func:`placement_cost`; ties go to the earlier candidate. The same inputs give the same choice on every rank."""
+    ``tolerance``), hybrid at each bound of :data:`HYBRID_SLOTS`, contiguous, zigzag (when ``S`` is divisible by
+    ``2P``), by :func:`placement_cost`; ties go to the earlier candidate. The same inputs give the same choice on
+    every rank."""
     row = doc_ids_row.to(torch.int64).flatten()
     candidates: list[tuple[str, Placement]] = [
         ("balanced", make_placement(row, cp_size, "balanced", tolerance=tolerance, windows=windows))]
-    candidates += [(f"hybrid@{p:g}", hybrid_placement(row, cp_size, piece=p, tolerance=tolerance,
-                                                                windows=windows)) for p in HYBRID_PIECES]
+    candidates += [(f"hybrid+{'any' if n is None else n}",
+                    hybrid_placement(row, cp_size, extra_slots=n, tolerance=tolerance, windows=windows))
+                   for n in HYBRID_SLOTS]
     candidates.append(("contiguous", make_placement(row, cp_size, "contiguous")))
     if row.numel() % (2 * cp_size) == 0:
         candidates.append(("zigzag", make_placement(row, cp_size, "zigzag")))
