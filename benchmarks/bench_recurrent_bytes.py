@@ -16,7 +16,7 @@ off the fragment plan of a lognormal row (mean S/8) under each placement.
     python benchmarks/bench_recurrent_bytes.py --no-measure  # arithmetic only
 
 Part 3 (``--placements``, arithmetic): attention imbalance vs recurrent bytes per layer per rank of every placement
-(balanced, the hybrid-aware ``hybrid@f`` of ``planning/hybrid_placement.py``, contiguous, zigzag, and what the cost
+(balanced, the hybrid-aware ``hybrid+k`` of ``planning/hybrid_placement.py``, contiguous, zigzag, and what the cost
 model chooses) on the rows of ``bench_balance.py`` (lognormal mean S/8 and S/32, heavy-tailed mix), at 128K / 8 and
 1M / 64 ranks with Qwen3-Next-80B-A3B and Nemotron-H-8B sizes; ``--plot`` saves the scatter if matplotlib imports.
 

@@ -12,7 +12,7 @@ docs/layouts.md). :func:`hybrid_placement` balances attention with documents cut
 recurrent layers of summary width ``W`` (:mod:`.recurrent_cost`); ``C`` and ``F`` are the layout cost model's
 (:mod:`.layout`: 400 TFLOP/s, ``BlockDiagCPConfig.layout_flops_per_byte``); 3.5 = forward plus a 2.5x backward,
 2 = the summaries' forward all-gather plus their gradients' reduce-scatter. The candidates: balanced, hybrid at
-three piece sizes, contiguous, zigzag; ties go to the earlier one (balanced first).
+each bound of :data:`HYBRID_SLOTS` (``hybrid+k``), contiguous, zigzag; ties go to the earlier one (balanced first).
 """
 
 from __future__ import annotations
@@ -250,7 +250,7 @@ class PlacementCost:
     """One candidate placement's modelled cost for a hybrid step.
 
     Attributes:
-        name: the candidate (``balanced``, ``hybrid@0.5``, ``contiguous``, ...).
+        name: the candidate (``balanced``, ``hybrid+1``, ``contiguous``, ...).
         imbalance: max / mean causal pairs over ranks.
         slots: summaries each rank sends per recurrent layer.
         recurrent_bytes: bytes per recurrent layer per rank, forward (``(P - 1) * slots * W * 4``).
