@@ -14,6 +14,13 @@ off the fragment plan of a lognormal row (mean S/8) under each placement.
 
     python benchmarks/bench_recurrent_bytes.py               # both parts
     python benchmarks/bench_recurrent_bytes.py --no-measure  # arithmetic only
+
+Part 3 (``--placements``, arithmetic): attention imbalance vs recurrent bytes per layer per rank of every placement
+(balanced, the hybrid-aware ``hybrid+k`` of ``planning/hybrid_placement.py``, contiguous, zigzag, and what the cost
+model chooses) on the rows of ``bench_balance.py`` (lognormal mean S/8 and S/32, heavy-tailed mix), at 128K / 8 and
+1M / 64 ranks with Qwen3-Next-80B-A3B and Nemotron-H-8B sizes; ``--plot`` saves the scatter if matplotlib imports.
+
+    python benchmarks/bench_recurrent_bytes.py --no-measure --placements --seeds 3 --plot placements.png
 """
 
 from __future__ import annotations
@@ -223,6 +230,79 @@ def arithmetic(full_len: int, p: int, seeds: int) -> None:
         print(f"| {name} | {layers} | heads (any placement) | - | {heads / MIB:.1f} | {layers * heads / 2 ** 30:.2f} |")
 
 
+def _shapes():
+    from hf_blockdiag_cp.planning.recurrent_cost import RecurrentShape, _gdn_width, _ssd_width
+
+    gdn = REAL[0][3]
+    ssd = REAL[1][3]
+
+    class _Gdn:  # the fields _gdn_width reads
+        linear_num_key_heads, linear_num_value_heads = gdn["hk"], gdn["hv"]
+        linear_key_head_dim, linear_value_head_dim, linear_conv_kernel_dim = gdn["dk"], gdn["dv"], gdn["kernel"]
+
+    # Qwen3-Next-80B-A3B: 12 full-attention layers (16 query heads of 256); Nemotron-H-8B: 4 (32 heads of 128).
+    return (("Qwen3-Next-80B-A3B", RecurrentShape("gdn", 36, _gdn_width(_Gdn), 12, 16, 256, 256)),
+            ("Nemotron-H-8B", RecurrentShape("ssd", 24, _ssd_width(ssd["h"], ssd["hd"], ssd["g"], ssd["n"],
+                                                                    ssd["kernel"]), 4, 32, 128, 128)))
+
+
+def placements(seeds: int, plot: str | None) -> None:
+    sys.path.insert(0, os.path.dirname(__file__))
+    from bench_balance import make_row
+
+    from hf_blockdiag_cp.planning.hybrid_placement import choose_placement
+
+    print("\n## Attention imbalance vs recurrent state bytes per placement (per recurrent layer per rank, forward; "
+          f"bytes = (P - 1) * slots * W * 4; mean / max over {seeds} seeds)\n")
+    print("| model | S / P | rows | placement | imbalance mean / max | slots mean / max | MiB per layer (max) | "
+          "modelled ms (mean) | chosen |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    points = []
+    for name, shape in _shapes():
+        for full_len, p in ((128 * 1024, 8), (1024 * 1024, 64)):
+            for rows in ("lognormal_8", "lognormal_32", "heavy_tail"):
+                found: dict[str, list] = {}
+                chosen: dict[str, int] = {}
+                for seed in range(seeds):
+                    choice = choose_placement(make_row(rows, full_len, seed), p, shape)
+                    chosen[choice.cost.name] = chosen.get(choice.cost.name, 0) + 1
+                    for c in choice.table:
+                        found.setdefault(c.name, []).append(c)
+                for kind, costs in found.items():
+                    imb = [c.imbalance for c in costs]
+                    slots = [c.slots for c in costs]
+                    mib = max(c.recurrent_bytes for c in costs) / MIB
+                    ms = sum(c.cost_s for c in costs) / len(costs) * 1e3
+                    points.append((name, full_len, p, kind, sum(imb) / len(imb), mib))
+                    print(f"| {name} | {full_len // 1024}K / {p} | {rows} | {kind} | {sum(imb) / len(imb):.3f} / "
+                          f"{max(imb):.3f} | {sum(slots) / len(slots):.1f} / {max(slots)} | {mib:.1f} | {ms:.0f} | "
+                          f"{chosen.get(kind, 0)}/{seeds} |")
+    if plot:
+        _plot(points, plot)
+
+
+def _plot(points: list, path: str) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("(matplotlib not importable: no plot)")
+        return
+    fig, ax = plt.subplots(figsize=(7, 5))
+    for kind in sorted({pt[3] for pt in points}):
+        xs = [pt[5] for pt in points if pt[3] == kind]
+        ys = [pt[4] for pt in points if pt[3] == kind]
+        ax.scatter(xs, ys, label=kind, s=18)
+    ax.set_xscale("log")
+    ax.set_xlabel("recurrent state MiB per layer per rank (forward)")
+    ax.set_ylabel("attention imbalance (max / mean)")
+    ax.legend()
+    fig.savefig(path, dpi=120, bbox_inches="tight")
+    print(f"plot: {path}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--no-measure", action="store_true", help="arithmetic only (no processes)")
@@ -231,10 +311,16 @@ def main() -> None:
                         help="row lengths S of the measured part (divisible by 2P)")
     parser.add_argument("--seeds", type=int, default=5, help="lognormal rows whose fragment plans give the slots of "
                         "the real-model arithmetic")
+    parser.add_argument("--placements", action="store_true", help="also the placement table: attention imbalance vs "
+                        "recurrent bytes per placement at 128K / 8 and 1M / 64 ranks")
+    parser.add_argument("--plot", default=None, help="with --placements: save the scatter to this path "
+                        "(if matplotlib is importable)")
     args = parser.parse_args()
     if not args.no_measure:
         measure(args.cp, args.lengths)
     arithmetic(128 * 1024, 8, args.seeds)
+    if args.placements:
+        placements(args.seeds, args.plot)
 
 
 if __name__ == "__main__":

@@ -16,7 +16,9 @@ from .._validate import check_int
 from ..config import PLACEMENTS, BlockDiagCPConfig
 from ..distributed.groups import group_to_ref, ref_to_group
 from ..model.heads import head_shape
-from ..planning.layout import HeadShape
+from ..planning.hybrid_placement import choose_placement
+from ..planning.layout import CostModel, HeadShape
+from ..planning.recurrent_cost import recurrent_shape
 from .examples import Document, read_example
 from .multimodal import media_spec
 from .packing import check_overflow, rows_of_documents
@@ -50,7 +52,9 @@ class PackingCollator:
         config: the :class:`BlockDiagCPConfig` of every context built.
         placement: which row positions each CP rank holds: ``"balanced"`` (balances attention work,
             splitting as few documents as possible), ``"contiguous"`` or ``"zigzag"``; default
-            ``config.placement`` (``HF_BLOCKDIAG_CP_PLACEMENT``, else ``"balanced"``).
+            ``config.placement`` (``HF_BLOCKDIAG_CP_PLACEMENT``, else ``"balanced"``). Left unset with the
+            ``model_config`` of a hybrid model (recurrent layers), the placement is chosen per step by
+            :func:`hf_blockdiag_cp.planning.hybrid_placement.choose_placement` (docs/placement.md).
         sliding_windows: the model's attention windows, ``None`` for full-attention layers (see
             :func:`hf_blockdiag_cp.sliding_windows`): windowed layers then receive only the K/V
             inside their window, and the balanced placement weighs work by them.
@@ -119,7 +123,11 @@ class PackingCollator:
         if self.media is not None and self.media.blocks is not None and sliding_windows is None:
             # A window cuts a bidirectional block's keys only with its own plan: take the model's windows.
             self.sliding_windows = tuple(model_sliding_windows(model_config))
-        self._layouts_logged: set[tuple[int, int]] = set()
+        self._layouts_logged: set[Any] = set()
+        # A hybrid model's placement is chosen per step (attention balance against recurrent state traffic) unless
+        # one is asked for; sequence parallelism only (a head-parallel layout places its groups itself).
+        self.recurrent = (recurrent_shape(model_config) if placement is None and self.cp_size > 1
+                          and self.config.ulysses_size == 1 else None)
         for window in self.sliding_windows:
             if window is not None:
                 check_int("sliding_windows", window, minimum=1)
@@ -186,8 +194,21 @@ class PackingCollator:
         num_items = sum(f.num_items for f in full)
         return [self._log_layout(rank_batch(
             f, cp_rank=self.cp_rank, cp_size=self.cp_size, group=self.group, config=self.config,
-            placement=self.placement, sliding_windows=self.sliding_windows, num_items=num_items, heads=self.heads,
-            ulysses_groups=self.ulysses_groups)) for f in full]
+            placement=self._placement_of(f), sliding_windows=self.sliding_windows, num_items=num_items,
+            heads=self.heads, ulysses_groups=self.ulysses_groups)) for f in full]
+
+    def _placement_of(self, full: Any) -> Any:
+        """The step's placement: the configured kind, or for a hybrid model the cheapest candidate (logged with its
+        reason once per distinct choice)."""
+        if self.recurrent is None:
+            return self.placement
+        choice = choose_placement(full.doc_ids[0], self.cp_size, self.recurrent,
+                                  tolerance=self.config.balance_tolerance, windows=self.sliding_windows or (None,),
+                                  model=CostModel(flops_per_byte=self.config.layout_flops_per_byte))
+        if choice.cost.name not in self._layouts_logged:
+            self._layouts_logged.add(choice.cost.name)
+            layout_logger.info("%s", choice.reason())
+        return choice.placement
 
     def _log_layout(self, batch: dict[str, Any]) -> dict[str, Any]:
         """Log the layout ``ulysses_size="auto"`` chose, once per distinct ``(u, c)``."""
@@ -214,7 +235,7 @@ class PackingCollator:
                              media=self.media)
         return self._log_layout(rank_batch(
             full, cp_rank=self.cp_rank, cp_size=self.cp_size, group=self.group, config=self.config,
-            placement=self.placement, sliding_windows=self.sliding_windows, heads=self.heads,
+            placement=self._placement_of(full), sliding_windows=self.sliding_windows, heads=self.heads,
             ulysses_groups=self.ulysses_groups))
 
     def _row_buffers(self) -> dict[str, Any]:
