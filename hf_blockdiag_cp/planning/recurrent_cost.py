@@ -1,7 +1,8 @@
 """What a hybrid model's recurrent layers cost a placement: the state summaries its cut documents exchange.
 
 Every fragment of a document that a later fragment follows sends one summary of ``W`` fp32 floats per recurrent
-layer (``hf_blockdiag_cp/recurrent/README.md``); every rank sends ``slots`` of them (the most any rank has), so one layer's
+layer (``hf_blockdiag_cp/recurrent/README.md``); every rank sends ``slots`` of them (the most any rank has), so
+one layer's
 all-gather moves, per rank and direction::
 
     bytes per layer per rank = (P - 1) * slots * W * 4
