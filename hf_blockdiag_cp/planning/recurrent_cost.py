@@ -2,8 +2,7 @@
 
 Every fragment of a document that a later fragment follows sends one summary of ``W`` fp32 floats per recurrent
 layer (``hf_blockdiag_cp/recurrent/README.md``); every rank sends ``slots`` of them (the most any rank has), so
-one layer's
-all-gather moves, per rank and direction::
+one layer's all-gather moves, per rank and direction::
 
     bytes per layer per rank = (P - 1) * slots * W * 4
 
