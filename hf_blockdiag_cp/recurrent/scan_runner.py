@@ -7,7 +7,8 @@ kept in the model function's own layout and dtype; :meth:`ScanRunner.assemble` l
 
 Entering states (from :mod:`.algebra`): a convolution gets its window of earlier inputs prepended (the model's
 function) or as the op's initial state; Mamba1's function takes no state, so its output from a state is its output
-from zero plus what the state adds, ``C_t (exp(A cumsum delta) * S)`` gated by ``silu(z)`` (:func:`_selective_read`).
+from zero plus what the state adds, ``C_t (exp(A cumsum delta) * S)`` gated by ``silu(z)`` (:func:`_selective_read`);
+SSD corrects the same way (:func:`_ssd_read`), so an SSD / Mamba1 fragment runs once even when it continues and sends.
 Transitions come from the ops' helpers on the call's own arguments (one way for both backends). Delta rule / KDA on
 an op *correct*: a continuing fragment runs once, augmented (values with ``Dk`` zero columns, initial state
 ``[0 | I]``), which yields its transition ``M`` and ``Q_t = M_t^T q_t``; after the gather ``o_t(S) = o_t(0) + S^T Q_t``.
@@ -91,7 +92,8 @@ class ScanRunner:
         self.kind = spec.kind
         self.algebra = scan_algebra(self.kind, named)
         self.window = self.kind is K.CONV
-        self.corrects = backend != "model" and self.kind in (K.DELTA, K.KDA)
+        # outputs linear in the entering state with a cheap read: continuing fragments run once, before the gather
+        self.corrects = self.kind in (K.SSD, K.SELECTIVE) or (backend != "model" and self.kind in (K.DELTA, K.KDA))
         self._row: dict[str, torch.Tensor] | None = None
 
     # ------------------------------------------------------------------ layout
@@ -243,6 +245,9 @@ class ScanRunner:
         return [(WindowAlgebra.tail(x[f.row, :, f.start:f.start + f.length].t(), k1),) for f in frags]
 
     def partial(self, frags: Sequence[Any]) -> tuple[list, list[State], list[State], list]:
+        if self.kind in (K.SSD, K.SELECTIVE):  # o(S) = o(0) + what S adds, read off the fragment's own inputs
+            out0, ends = self.run(frags, None, True)
+            return out0, ends, self.transitions(frags), list(frags)
         t, lens, cu = self._select(frags)
         v = t["value"]
         dk, dv, heads = t["key"].shape[-1], v.shape[-1], v.shape[2]
@@ -255,7 +260,11 @@ class ScanRunner:
         trans = [(e[..., dv:],) for e in final.split(1)]
         return list(o0), ends, trans, list(reads)
 
-    def correct(self, out: torch.Tensor, read: torch.Tensor, state: State) -> torch.Tensor:
+    def correct(self, out: torch.Tensor, read: Any, state: State) -> torch.Tensor:
+        if self.kind is K.SELECTIVE:
+            return out + _selective_read(self.named, read, state[0])
+        if self.kind is K.SSD:
+            return out + _ssd_read(self.named, read, state[0])
         return (out + torch.einsum("bthk,hkv->bthv", read, state[0][0])).to(self.named["query"].dtype)
 
     def assemble(self, outputs: list[torch.Tensor], ends: list[State] | None) -> Any:
@@ -289,3 +298,15 @@ def _selective_read(named: dict[str, Any], f: Any, state: torch.Tensor) -> torch
     if z is not None:
         out = out * torch.nn.functional.silu(z[f.row:f.row + 1].narrow(-1, f.start, f.length).float())
     return out.to(named["hidden_states"].dtype)
+
+
+def _ssd_read(named: dict[str, Any], f: Any, state: torch.Tensor) -> torch.Tensor:
+    """What Mamba2's entering state ``[1, H, P, N]`` adds to a fragment's outputs ``[1, T, H, P]`` (fp32, as
+    transformers' torch scan returns them): ``C_t`` (its group's, per head) read of the state decayed by
+    ``exp(A * sum_{s<=t} dt_s)``."""
+    dt = named["dt"][f.row:f.row + 1, f.start:f.start + f.length]  # [1, T, H]
+    dt = ops.discretised_dt(dt, named.get("dt_bias"), bool(named.get("dt_softplus")), _limit(named), torch.float32)
+    decay = torch.exp((dt * named["A"].float()).cumsum(1))  # [1, T, H]
+    c = named["C"][f.row:f.row + 1, f.start:f.start + f.length].float()  # [1, T, G, N]
+    c = c.repeat_interleave(decay.shape[-1] // c.shape[2], dim=2)  # [1, T, H, N]
+    return torch.einsum("bth,bthn,bhpn->bthp", decay, c, state.float())

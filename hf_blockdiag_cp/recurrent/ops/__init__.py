@@ -20,7 +20,7 @@ from .delta_rule import (
                          l2norm,
 )
 from .selective_scan import selective_scan, selective_scan_reference, selective_scan_transition
-from .ssd import ssd_chunk_scan, ssd_chunk_scan_reference, ssd_transition
+from .ssd import discretised_dt, ssd_chunk_scan, ssd_chunk_scan_reference, ssd_transition
 
 # the pure-PyTorch op per name; adapters.LIBRARY_OPS has the GPU-library op under the same names
 TORCH_OPS = {
@@ -37,5 +37,5 @@ __all__ = [
     "chunk_gated_delta_rule", "chunk_kda", "delta_rule_reference", "gated_delta_rule_transition", "kda_transition",
     "l2norm",
     "selective_scan", "selective_scan_reference", "selective_scan_transition",
-    "ssd_chunk_scan", "ssd_chunk_scan_reference", "ssd_transition",
+    "discretised_dt", "ssd_chunk_scan", "ssd_chunk_scan_reference", "ssd_transition",
 ]

@@ -17,8 +17,9 @@ import torch.nn.functional as F
 from ._layout import chunk_layout, compute_dtype, initial_states, scan_states, segment_sums, seq_lens_of
 
 
-def _discretised_dt(dt: torch.Tensor, dt_bias: torch.Tensor | None, dt_softplus: bool,
-                    dt_limit: tuple[float, float], dtype: torch.dtype) -> torch.Tensor:
+def discretised_dt(dt: torch.Tensor, dt_bias: torch.Tensor | None, dt_softplus: bool,
+                   dt_limit: tuple[float, float], dtype: torch.dtype) -> torch.Tensor:
+    """The step sizes the scan uses: ``clamp(softplus(dt + dt_bias))`` as configured, in ``dtype``."""
     dt = dt.to(dtype)
     if dt_bias is not None:
         dt = dt + dt_bias.to(dtype)
@@ -60,7 +61,7 @@ def ssd_chunk_scan(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.
     layout = chunk_layout(lens, chunk_size, x.device)
     rep = heads // groups
     x_T = x.reshape(-1, heads, head_dim).to(dtype)
-    dt_T = _discretised_dt(dt.reshape(-1, heads), dt_bias, dt_softplus, dt_limit, dtype)
+    dt_T = discretised_dt(dt.reshape(-1, heads), dt_bias, dt_softplus, dt_limit, dtype)
     # padding slots get dt = 0: no decay, no input, so states pass through them unchanged
     xdt_c = layout.to_chunks(x_T * dt_T[..., None])  # [C, L, H, P]
     a_c = layout.to_chunks(dt_T * A.to(dtype))  # [C, L, H] log decay per step
@@ -101,7 +102,7 @@ def ssd_transition(dt: torch.Tensor, A: torch.Tensor, *, dt_bias: torch.Tensor |
     """Total log-decay per sequence and head, [N, H]: ``S_end(S_in) = S_end(0) + exp(decay)[..., None, None] S_in``."""
     batch, length, heads = dt.shape
     dtype = compute_dtype(dt, A)
-    a = (_discretised_dt(dt, dt_bias, dt_softplus, dt_limit, dtype) * A.to(dtype)).reshape(-1, heads)
+    a = (discretised_dt(dt, dt_bias, dt_softplus, dt_limit, dtype) * A.to(dtype)).reshape(-1, heads)
     if cu_seqlens is None:
         return a.view(batch, length, heads).sum(1)
     return segment_sums(a, cu_seqlens)
@@ -115,7 +116,7 @@ def ssd_chunk_scan_reference(x, dt, A, B, C, *, D=None, dt_bias=None, dt_softplu
     lens = seq_lens_of(cu_seqlens, None, batch, length)
     rep = heads // groups
     xs = x.reshape(-1, heads, head_dim).double()
-    dts = _discretised_dt(dt.reshape(-1, heads), dt_bias, dt_softplus, dt_limit, torch.float64)
+    dts = discretised_dt(dt.reshape(-1, heads), dt_bias, dt_softplus, dt_limit, torch.float64)
     Bs = B.reshape(-1, groups, state_size).double().repeat_interleave(rep, dim=1)
     Cs = C.reshape(-1, groups, state_size).double().repeat_interleave(rep, dim=1)
     Ad = A.double()
