@@ -74,7 +74,7 @@ from .media import encode_and_exchange, is_mrope, refuse_flat_mrope
 from .moe_aux import exact_router_aux_loss
 
 __all__ = ["FINDINGS_ATTR", "PROBE_ATTR", "ForwardState", "ModelFindings", "Preparation", "attention_context",
-           "package_hooks", "prepare_model", "unprepare_model"]
+           "held_positions", "package_hooks", "prepare_model", "unprepare_model"]
 
 #: Attribute of every submodule of a prepared model holding the model's :class:`ModelFindings`.
 FINDINGS_ATTR = "_blockdiag_cp_findings"
@@ -129,6 +129,9 @@ class ForwardState:
             ``cp_context`` (``None``: one document per row), set by the pre-hook of every forward and kept after
             it, so that an activation-checkpoint recompute during backward reads the same fragments (refused while
             two packed forwards wait for one backward, :mod:`.forward_runs`).
+        held_positions: ``[B, T]`` the packed ``position_ids`` the latest forward without a ``cp_context`` (CP > 1)
+            was given, kept like ``runs``: the document boundaries for attention layers the model does not hand
+            them to (granitemoehybrid builds neither its layers' keywords nor its masks from them).
     """
 
     attention_calls: int = 0
@@ -136,6 +139,7 @@ class ForwardState:
     cp_context: BlockDiagCPContext | None = None
     held_context: BlockDiagCPContext | None = None
     runs: LocalRuns | None = None
+    held_positions: torch.Tensor | None = None
 
     def holds_step(self) -> bool:
         """Whether the held forward state (``held_context``, ``runs``) applies to a call now: during the forward
@@ -192,6 +196,23 @@ def attention_context(module: torch.nn.Module, cp_context: Any) -> Any:
         f"{state.cp_context.cp_size}) but its {type(module).__name__} was called without it: its layers do not pass "
         "the model's keyword arguments to attention, so each CP rank would attend to its own keys only; blockdiag_cp "
         "cannot run this model with context parallelism (CP size 1 is exact)")
+
+
+def held_positions(module: torch.nn.Module, length: int) -> torch.Tensor | None:
+    """The packed ``position_ids [B, length]`` of the forward in progress (or being recomputed) of ``module``'s
+    model, for an attention call that got no boundaries in its keywords (no ``position_ids``, ``cu_seq_lens_*``,
+    ``cp_context``); ``None`` when the forward's row is one document, its length differs, or no forward holds.
+
+    transformers' granitemoehybrid passes neither its layers nor its mask builder the model's ``position_ids``:
+    without this, its attention layers would attend across the documents of a ``DataCollatorWithFlattening`` row.
+    """
+    state: ForwardState | None = module.__dict__.get(PROBE_ATTR)
+    if state is None or state.held_positions is None or not state.holds_step():
+        return None
+    if state.held_positions.shape[-1] != length:
+        return None
+    state.check_recompute(f"{type(module).__name__} (attention without position_ids)")
+    return state.held_positions
 
 
 def prepare_model(model: torch.nn.Module, *, strict: bool = False) -> torch.nn.Module:
@@ -289,9 +310,14 @@ def _pre_forward(module: torch.nn.Module, args: tuple,
         state.held_context = state.cp_context
         _refuse(module, findings, args, kwargs)
         outermost = not any(key != id(module) for key in state.starts)
-        if (findings.recurrent_mixers or findings.sparse_indexers) and outermost:
+        if outermost:
             named = arguments(module, args, kwargs)
-            state.runs = local_runs(named, packing(named) is not None)
+            packed = packing(named) is not None
+            if findings.recurrent_mixers or findings.sparse_indexers:
+                state.runs = local_runs(named, packed)
+            positions = named.get("position_ids")
+            state.held_positions = (positions if packed and state.cp_context is None
+                                    and isinstance(positions, torch.Tensor) and positions.dim() == 2 else None)
         if outermost:  # the outermost prepared module of the forward
             try:
                 agree_forward(module, arguments(module, args, kwargs))
