@@ -44,6 +44,7 @@ unwrapped. :func:`unprepare_model` removes everything.
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -53,8 +54,10 @@ from transformers import PreTrainedModel
 
 from ..compat import forward_hooks, in_autograd_backward
 from ..context import BlockDiagCPContext
+from ..errors import AgreementError, Refusal
 from ..mixer_hooks import install_recurrent, uninstall_recurrent
 from ..recurrent.runs import LocalRuns, local_runs
+from ..runtime import abandon
 from ..sparse.indexer import install_indexers, uninstall_indexers
 from .batch import arguments, check_batch, check_cp_loss_count, fill_position_ids, packing, positional_index
 from .detect import (
@@ -393,8 +396,11 @@ def _refuse_loss(probe: ModelFindings, named: dict[str, Any]) -> None:
 def _post_forward(module: torch.nn.Module, args: tuple, kwargs: dict[str, Any], output: Any) -> None:
     """Refuse a forward with packing information in which the attention function never ran.
 
-    Also runs when the forward (or a pre-hook) raised, with ``output=None``: it then only clears this forward's
-    state, so that the next forward agrees again and a later call without a ``cp_context`` is not refused.
+    Also runs when the forward (or a pre-hook) raised, with ``output=None``: it then clears this forward's state, so
+    that the next forward agrees again and a later call without a ``cp_context`` is not refused, and, for a CP forward
+    that raised after its agreement something other than a refusal (raised alike on every rank), records the CP
+    group as broken (:func:`~hf_blockdiag_cp.runtime.abandon`): the peers wait in a collective this rank left, and a
+    retry must fail at once on every rank rather than meet them in the wrong collective.
     """
     state: ForwardState | None = module.__dict__.get(PROBE_ATTR)
     findings: ModelFindings | None = module.__dict__.get(FINDINGS_ATTR)
@@ -404,6 +410,10 @@ def _post_forward(module: torch.nn.Module, args: tuple, kwargs: dict[str, Any], 
     if not state.starts:  # the outermost prepared module's forward ended: no cp_context is in flight
         state.cp_context = None
     if output is None:
+        err, ctx = sys.exc_info()[1], kwargs.get("cp_context")
+        if (start is not None and getattr(ctx, "cp_size", 1) > 1 and isinstance(err, Exception)
+                and not isinstance(err, (Refusal, AgreementError))):
+            abandon(ctx, err)
         return
     if isinstance(module, PreTrainedModel) and getattr(kwargs.get("cp_context"), "cp_size", 1) > 1:
         # MoE: the row's router loss, counted once over the CP ranks (the causal LM's own hook, not a wrapper's)
