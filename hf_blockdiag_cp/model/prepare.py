@@ -135,6 +135,8 @@ class ForwardState:
         held_positions: ``[B, T]`` the packed ``position_ids`` the latest forward without a ``cp_context`` (CP > 1)
             was given, kept like ``runs``: the document boundaries for attention layers the model does not hand
             them to (granitemoehybrid builds neither its layers' keywords nor its masks from them).
+        agreed: the forward in progress passed its agreement (CP > 1): from there on its peers are in its
+            collectives, and a raise that leaves them there breaks the group (:func:`_post_forward`).
     """
 
     attention_calls: int = 0
@@ -143,6 +145,7 @@ class ForwardState:
     held_context: BlockDiagCPContext | None = None
     runs: LocalRuns | None = None
     held_positions: torch.Tensor | None = None
+    agreed: bool = False
 
     def holds_step(self) -> bool:
         """Whether the held forward state (``held_context``, ``runs``) applies to a call now: during the forward
@@ -307,6 +310,7 @@ def _pre_forward(module: torch.nn.Module, args: tuple,
     if uses_blockdiag_cp(module):
         if id(module) in state.starts:  # an earlier forward of this module never finished (BaseException, compile)
             state.starts.clear()
+            state.agreed = False
         state.starts[id(module)] = state.attention_calls
         ctx = kwargs.get("cp_context")
         state.cp_context = ctx if getattr(ctx, "cp_size", 1) > 1 else None
@@ -324,6 +328,7 @@ def _pre_forward(module: torch.nn.Module, args: tuple,
         if outermost:  # the outermost prepared module of the forward
             try:
                 agree_forward(module, arguments(module, args, kwargs))
+                state.agreed = state.cp_context is not None
                 # CP rows with images: encode this rank's, exchange the feature rows (after the agreement).
                 exchanged = encode_and_exchange(module, kwargs)
             except BaseException:
@@ -407,12 +412,12 @@ def _post_forward(module: torch.nn.Module, args: tuple, kwargs: dict[str, Any], 
     if state is None or findings is None or not uses_blockdiag_cp(module):
         return
     start = state.starts.pop(id(module), None)
+    agreed, ctx = state.agreed, state.cp_context
     if not state.starts:  # the outermost prepared module's forward ended: no cp_context is in flight
-        state.cp_context = None
+        state.cp_context, state.agreed = None, False
     if output is None:
-        err, ctx = sys.exc_info()[1], kwargs.get("cp_context")
-        if (start is not None and getattr(ctx, "cp_size", 1) > 1 and isinstance(err, Exception)
-                and not isinstance(err, (Refusal, AgreementError))):
+        err = sys.exc_info()[1]
+        if agreed and ctx is not None and isinstance(err, Exception) and not isinstance(err, (Refusal, AgreementError)):
             abandon(ctx, err)
         return
     if isinstance(module, PreTrainedModel) and getattr(kwargs.get("cp_context"), "cp_size", 1) > 1:

@@ -68,8 +68,22 @@ RETRIES = {f"hybrid_retry_{where}_{exchange}": functools.partial(_retry, where=w
            for where in ("scan", "mlp") for exchange in ("allgather", "halo", "a2a")}
 
 
+def _error_before_agreement(rank, world, mesh, config) -> None:
+    """Every rank's forward raises before its agreement (targets without ``num_items_in_batch``): no collective was
+    left, the group stays usable and the corrected step runs."""
+    ctx, ids, pos = _build(rank, world, mesh["cp"].get_group(), config)
+    model = _model()
+    try:
+        model(ids, position_ids=pos, cp_context=ctx, shift_labels=ids, use_cache=False)
+    except ValueError as err:
+        assert "num_items_in_batch" in str(err), err
+    else:
+        raise AssertionError("the forward without num_items_in_batch ran")
+    harness._step(model, ctx, ids, pos)
+
+
 def _worker(rank, world, names, ports, cp_size, log_dir, timeout_s):
-    harness.SCENARIOS.update(RETRIES)
+    harness.SCENARIOS.update(RETRIES, error_before_agreement=_error_before_agreement)
     harness._scenario_worker(rank, world, names, ports, cp_size, log_dir, timeout_s)
 
 
@@ -89,3 +103,10 @@ def test_a_rank_retrying_after_an_error_mid_hybrid_forward_ends_in_an_error_on_e
     # The retry refuses before any collective, naming the first failure.
     assert "refusing to start the blockdiag_cp forward agreement" in rows[FAULTY][2], rows[FAULTY]
     assert "OutOfMemoryError" in rows[FAULTY][2], rows[FAULTY]
+
+
+@pytest.mark.timeout(120)
+def test_an_error_before_the_agreement_leaves_the_group_usable() -> None:
+    """The boundary of the fix: only a raise after the agreement breaks the group."""
+    rows = _run(["error_before_agreement"])["error_before_agreement"]
+    assert all(row[:2] == ("ran", None) for row in rows), rows
