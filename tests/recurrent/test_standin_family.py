@@ -75,7 +75,7 @@ def _worker(rank: int, world: int) -> dict:
         ref_grads = torch.autograd.grad((ref * weight).sum(), (x_ref, a_ref))
         mixer = StandInMixer()
         probe = type("Probe", (), {"runs": local_runs({"cp_context": ctx}, True), "attention_calls": 0,
-                                   "holds_step": lambda self: True})()
+                                   "holds_step": lambda self: True, "check_recompute": lambda self, what: None})()
         assert install_recurrent(mixer, probe) == 1
         x = x_full[index][None].clone().requires_grad_()
         a = a_full[index][None].clone().requires_grad_()
