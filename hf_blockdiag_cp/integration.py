@@ -69,7 +69,7 @@ from .context import BlockDiagCPContext
 from .errors import Refusal
 from .kernels import BackendUnavailable
 from .model.detect import refuse_bypassing_model, uses_blockdiag_cp
-from .model.prepare import attention_context, prepare_model
+from .model.prepare import attention_context, held_positions, prepare_model
 from .model.subconfigs import fill_unresolved, spread_attn_implementation, switch_attn_implementation
 from .runtime import DevicePlan, device_plan
 from .sparse import query_bounds, selects_everything, served_indices_refusal, sparse_attention
@@ -116,6 +116,11 @@ def blockdiag_cp_attention(module: torch.nn.Module, query: torch.Tensor, key: to
     # The one call into model/ per layer: counts the call, and gives layers that drop the model's kwargs (stablelm,
     # nemotron, falcon) the context their forward was given (refusing a call that never got one).
     ctx = kwargs["cp_context"] = attention_context(module, kwargs.get("cp_context"))
+    if ctx is None and all(kwargs.get(k) is None for k in ("position_ids", "cu_seq_lens_q", "cu_seq_lens_k")):
+        # A layer its model handed no boundaries (granitemoehybrid): the model's own packed position_ids.
+        held = held_positions(module, key.shape[2]) if query.shape[2] == key.shape[2] else None
+        if held is not None:
+            kwargs["position_ids"] = held
     if isinstance(attention_mask, IndexerMask):
         raise Refusal(f"{model_type}: {type(module).__name__} passed its indexer's mask "
                                   "(attention_mask[:, 0]) to attention; blockdiag_cp cannot serve it")

@@ -64,8 +64,8 @@ from .planning import VarlenPlan
 from .planning.exchange import Strategy
 from .planning.fragments import FragmentPlan
 
-__all__ = ["DevicePlan", "PlanKey", "StepRuntime", "device_plan", "find_runtime", "installed_backends", "owner",
-           "plan_key", "require_live_group", "resolve_backend", "step_runtime"]
+__all__ = ["DevicePlan", "PlanKey", "StepRuntime", "abandon", "device_plan", "find_runtime", "installed_backends",
+           "owner", "plan_key", "require_live_group", "resolve_backend", "step_runtime"]
 
 
 class PlanKey(NamedTuple):
@@ -226,6 +226,14 @@ class StepRuntime:
             raise
         except Exception as err:
             raise failure(ctx, what, err) from err
+
+
+def abandon(ctx: BlockDiagCPContext, err: BaseException) -> None:
+    """Record ``ctx.group`` as broken because this rank's forward raised ``err`` after its agreement, between two
+    collectives: its peers are in (or on their way to) a collective this rank left. A retry would start the next
+    forward's agreement against whatever collective a peer waits in; gloo aborts the process (SIGABRT) when that is an
+    all-gather of another size (a K/V all-gather), so the retry must refuse before any collective."""
+    mark_broken(ctx.group, f"a forward on CP rank {ctx.cp_rank} raised {type(err).__name__} between its collectives")
 
 
 def failure(ctx: BlockDiagCPContext, what: str, err: BaseException) -> CPKernelError:

@@ -77,6 +77,11 @@ CONFIG_FIXES: dict[str, dict[str, Any]] = {
     # Default configs without the architecture's characteristic layers: add one of each kind.
     "lfm2": {"layer_types": ["conv", "full_attention"], "full_attn_idxs": [1]},
     "recurrent_gemma": {"block_types": ["recurrent", "attention"]},
+    # Hybrids whose default two layers are both recurrent: one attention layer, so that a packed row checks both
+    # mixers (granitemoehybrid's attention gets no position_ids from its decoder: issue 35, item 0).
+    "bamba": {"attn_layer_indices": [1]},
+    "granitemoehybrid": {"layer_types": ["linear_attention", "full_attention"]},
+    "jamba": {"attn_layer_period": 2, "attn_layer_offset": 1},
 }
 
 
@@ -232,3 +237,23 @@ def composite_reason(model_type: str, config: Any) -> str | None:
     text_type = getattr(text, "model_type", "?")
     tested = " (checked separately)" if text_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES else ""
     return f"composite/multimodal wrapper; its text model is {text_type}{tested}"
+
+
+def recurrent_model_types() -> list[str]:
+    """Every causal-LM ``model_type`` whose modeling file names a recurrent mixer the package serves
+    (:mod:`hf_blockdiag_cp.mixer_table`), composite wrappers included (their text model has its own entry)."""
+    import importlib
+    import inspect
+
+    from ..mixer_table import METHODS, SCAN_MODULES, SCANS, STATEFUL, WINDOWED
+
+    names = (*SCANS, *METHODS, *WINDOWED, *STATEFUL, *SCAN_MODULES)
+    found = []
+    for model_type, cls_name in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.items():
+        try:
+            source = inspect.getsource(inspect.getmodule(getattr(importlib.import_module("transformers"), cls_name)))
+        except (AttributeError, ImportError, OSError, TypeError):  # a class this install cannot import
+            continue
+        if any(name in source for name in names):
+            found.append(model_type)
+    return found

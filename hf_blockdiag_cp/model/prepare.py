@@ -44,6 +44,7 @@ unwrapped. :func:`unprepare_model` removes everything.
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -53,8 +54,10 @@ from transformers import PreTrainedModel
 
 from ..compat import forward_hooks, in_autograd_backward
 from ..context import BlockDiagCPContext
+from ..errors import AgreementError, Refusal
 from ..mixer_hooks import install_recurrent, uninstall_recurrent
 from ..recurrent.runs import LocalRuns, local_runs
+from ..runtime import abandon
 from ..sparse.indexer import install_indexers, uninstall_indexers
 from .batch import arguments, check_batch, check_cp_loss_count, fill_position_ids, packing, positional_index
 from .detect import (
@@ -74,7 +77,7 @@ from .media import encode_and_exchange, is_mrope, refuse_flat_mrope
 from .moe_aux import exact_router_aux_loss
 
 __all__ = ["FINDINGS_ATTR", "PROBE_ATTR", "ForwardState", "ModelFindings", "Preparation", "attention_context",
-           "package_hooks", "prepare_model", "unprepare_model"]
+           "held_positions", "package_hooks", "prepare_model", "unprepare_model"]
 
 #: Attribute of every submodule of a prepared model holding the model's :class:`ModelFindings`.
 FINDINGS_ATTR = "_blockdiag_cp_findings"
@@ -129,6 +132,11 @@ class ForwardState:
             ``cp_context`` (``None``: one document per row), set by the pre-hook of every forward and kept after
             it, so that an activation-checkpoint recompute during backward reads the same fragments (refused while
             two packed forwards wait for one backward, :mod:`.forward_runs`).
+        held_positions: ``[B, T]`` the packed ``position_ids`` the latest forward without a ``cp_context`` (CP > 1)
+            was given, kept like ``runs``: the document boundaries for attention layers the model does not hand
+            them to (granitemoehybrid builds neither its layers' keywords nor its masks from them).
+        agreed: the forward in progress passed its agreement (CP > 1): from there on its peers are in its
+            collectives, and a raise that leaves them there breaks the group (:func:`_post_forward`).
     """
 
     attention_calls: int = 0
@@ -136,6 +144,8 @@ class ForwardState:
     cp_context: BlockDiagCPContext | None = None
     held_context: BlockDiagCPContext | None = None
     runs: LocalRuns | None = None
+    held_positions: torch.Tensor | None = None
+    agreed: bool = False
 
     def holds_step(self) -> bool:
         """Whether the held forward state (``held_context``, ``runs``) applies to a call now: during the forward
@@ -192,6 +202,23 @@ def attention_context(module: torch.nn.Module, cp_context: Any) -> Any:
         f"{state.cp_context.cp_size}) but its {type(module).__name__} was called without it: its layers do not pass "
         "the model's keyword arguments to attention, so each CP rank would attend to its own keys only; blockdiag_cp "
         "cannot run this model with context parallelism (CP size 1 is exact)")
+
+
+def held_positions(module: torch.nn.Module, length: int) -> torch.Tensor | None:
+    """The packed ``position_ids [B, length]`` of the forward in progress (or being recomputed) of ``module``'s
+    model, for an attention call that got no boundaries in its keywords (no ``position_ids``, ``cu_seq_lens_*``,
+    ``cp_context``); ``None`` when the forward's row is one document, its length differs, or no forward holds.
+
+    transformers' granitemoehybrid passes neither its layers nor its mask builder the model's ``position_ids``:
+    without this, its attention layers would attend across the documents of a ``DataCollatorWithFlattening`` row.
+    """
+    state: ForwardState | None = module.__dict__.get(PROBE_ATTR)
+    if state is None or state.held_positions is None or not state.holds_step():
+        return None
+    if state.held_positions.shape[-1] != length:
+        return None
+    state.check_recompute(f"{type(module).__name__} (attention without position_ids)")
+    return state.held_positions
 
 
 def prepare_model(model: torch.nn.Module, *, strict: bool = False) -> torch.nn.Module:
@@ -283,18 +310,25 @@ def _pre_forward(module: torch.nn.Module, args: tuple,
     if uses_blockdiag_cp(module):
         if id(module) in state.starts:  # an earlier forward of this module never finished (BaseException, compile)
             state.starts.clear()
+            state.agreed = False
         state.starts[id(module)] = state.attention_calls
         ctx = kwargs.get("cp_context")
         state.cp_context = ctx if getattr(ctx, "cp_size", 1) > 1 else None
         state.held_context = state.cp_context
         _refuse(module, findings, args, kwargs)
         outermost = not any(key != id(module) for key in state.starts)
-        if (findings.recurrent_mixers or findings.sparse_indexers) and outermost:
+        if outermost:
             named = arguments(module, args, kwargs)
-            state.runs = local_runs(named, packing(named) is not None)
+            packed = packing(named) is not None
+            if findings.recurrent_mixers or findings.sparse_indexers:
+                state.runs = local_runs(named, packed)
+            positions = named.get("position_ids")
+            state.held_positions = (positions if packed and state.cp_context is None
+                                    and isinstance(positions, torch.Tensor) and positions.dim() == 2 else None)
         if outermost:  # the outermost prepared module of the forward
             try:
                 agree_forward(module, arguments(module, args, kwargs))
+                state.agreed = state.cp_context is not None
                 # CP rows with images: encode this rank's, exchange the feature rows (after the agreement).
                 exchanged = encode_and_exchange(module, kwargs)
             except BaseException:
@@ -367,17 +401,24 @@ def _refuse_loss(probe: ModelFindings, named: dict[str, Any]) -> None:
 def _post_forward(module: torch.nn.Module, args: tuple, kwargs: dict[str, Any], output: Any) -> None:
     """Refuse a forward with packing information in which the attention function never ran.
 
-    Also runs when the forward (or a pre-hook) raised, with ``output=None``: it then only clears this forward's
-    state, so that the next forward agrees again and a later call without a ``cp_context`` is not refused.
+    Also runs when the forward (or a pre-hook) raised, with ``output=None``: it then clears this forward's state, so
+    that the next forward agrees again and a later call without a ``cp_context`` is not refused, and, for a CP forward
+    that raised after its agreement something other than a refusal (raised alike on every rank), records the CP
+    group as broken (:func:`~hf_blockdiag_cp.runtime.abandon`): the peers wait in a collective this rank left, and a
+    retry must fail at once on every rank rather than meet them in the wrong collective.
     """
     state: ForwardState | None = module.__dict__.get(PROBE_ATTR)
     findings: ModelFindings | None = module.__dict__.get(FINDINGS_ATTR)
     if state is None or findings is None or not uses_blockdiag_cp(module):
         return
     start = state.starts.pop(id(module), None)
+    agreed, ctx = state.agreed, state.cp_context
     if not state.starts:  # the outermost prepared module's forward ended: no cp_context is in flight
-        state.cp_context = None
+        state.cp_context, state.agreed = None, False
     if output is None:
+        err = sys.exc_info()[1]
+        if agreed and ctx is not None and isinstance(err, Exception) and not isinstance(err, (Refusal, AgreementError)):
+            abandon(ctx, err)
         return
     if isinstance(module, PreTrainedModel) and getattr(kwargs.get("cp_context"), "cp_size", 1) > 1:
         # MoE: the row's router loss, counted once over the CP ranks (the causal LM's own hook, not a wrapper's)

@@ -53,6 +53,8 @@ def _config(kind: str):
     config = tiny_config(kind)
     if kind == "qwen3_next":
         config.linear_num_key_heads = 2  # fewer key heads than value heads (and than P = 4)
+    if kind == "bamba":
+        config.attn_layer_indices = None  # Mamba2 layers only: every byte moved is the fallback's all-to-alls
     return config
 
 

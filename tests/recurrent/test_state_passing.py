@@ -2,7 +2,8 @@
 
 A full tiny training step of hybrid models (gated delta rule + convolution: qwen3_next; Mamba2/SSD + convolution,
 no attention layer: bamba; short convolution: lfm2; Mamba1, whose layers drop the model's kwargs: mamba)
-on P = 2 and 4 ranks, with documents split into several fragments (contiguous, zigzag, balanced placements), a
+on P = 2 and 4 ranks (``A_log = -4`` where a layer has one, so that states live across fragments), with documents
+split into several fragments (contiguous, zigzag, balanced placements), a
 rank holding only padding, activation checkpointing and bf16 autocast, equals each document run alone through the
 unmodified model: logits of every rank mapped back
 through ``local_index`` and parameter gradients all-reduced over the ranks. The bytes the recurrent all-gathers
@@ -65,19 +66,26 @@ def expected_bytes(model: torch.nn.Module, slots: int, cp_size: int) -> int:
 
 def _worker(rank: int, world: int, cases: list[tuple] | None = None) -> dict:
     from hf_blockdiag_cp.conformance.configs import tiny_config
+    from hf_blockdiag_cp.conformance.multimodal import make_stateful
     from hf_blockdiag_cp.conformance.runs import build_model
     from hf_blockdiag_cp.recurrent.runs import _cached_plan
 
     report = {}
     cases = CASES if cases is None else cases
     configs = {kind: tiny_config(kind) for kind in {c[0] for c in cases}}
+    if "bamba" in configs:  # its Mamba2 layers only: every byte sent is the recurrent all-gathers' (_check)
+        configs["bamba"].attn_layer_indices = None
     for layout, lengths in LAYOUTS.items():
         for kind, placement, checkpointing, bf16 in cases:
             config = configs[kind]
             docs = _docs(lengths, config.vocab_size)
-            ref_logits, ref_grads = documents_alone(kind, docs, build_model(config, None).train(),
-                                                   autocast=torch.bfloat16 if bf16 else None)
+            # A_log = -4 (decay ~0.97 per token): the tiny configs' own decays can forget a state within a token,
+            # and a wrong hand-off would pass unseen (issue 35, item 11; tests/recurrent/test_hand_off.py).
+            stock = build_model(config, None).train()
+            make_stateful(stock)
+            ref_logits, ref_grads = documents_alone(kind, docs, stock, autocast=torch.bfloat16 if bf16 else None)
             model = build_model(config, "blockdiag_cp").train()
+            make_stateful(model)
             if checkpointing:
                 model.activation_checkpointing_enable()
             step = cp_step(model, packed_batch(docs, SEQ_LEN, placement), bf16)
