@@ -48,6 +48,33 @@ def test_guard_passes_collective_errors_through_and_builds_the_timeout_once():
     assert first.total_seconds() == 5.0 and runtime.collective_timeout(ctx) is first
 
 
+def test_the_state_gathers_backward_names_itself_on_a_group_that_broke_after_the_forward(tmp_path):
+    """A one-process gloo group: the forward all-gather runs; the group is then marked broken (as a peer's failure
+    would), and the backward refuses before starting, naming the recurrent state gradient exchange (not K/V)."""
+    import datetime
+
+    import torch.distributed as dist
+
+    from hf_blockdiag_cp.distributed.exchange import mark_broken
+
+    if dist.is_initialized():
+        pytest.skip("a process group is already initialised in this process")
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1,
+                            timeout=datetime.timedelta(seconds=30))
+    try:
+        group = dist.new_group([0])
+        ctx = types.SimpleNamespace(group=group, cp_rank=0, cp_size=1, origin=None,
+                                    config=types.SimpleNamespace(collective_timeout_s=5.0))
+        buffer = torch.ones(2, 3, requires_grad=True)
+        out = StepRuntime().all_gather(ctx, buffer, what="recurrent state all-gather")
+        torch.testing.assert_close(out, buffer.detach())
+        mark_broken(group, "the test's injected failure")
+        with pytest.raises(CollectiveError, match="refusing to start the recurrent state gradient"):
+            out.sum().backward()
+    finally:
+        dist.destroy_process_group()
+
+
 def _one_step_agreements(rank: int, world: int) -> dict:
     """One forward + backward of a tiny hybrid (gated delta rule and full attention layers) at CP = 2; counts the
     step agreement's collectives."""

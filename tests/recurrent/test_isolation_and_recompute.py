@@ -123,7 +123,7 @@ def _worker(rank: int, world: int) -> dict:
     from tests.recurrent.harness import packed_batch
 
     for kind in KINDS:
-        _nan_isolation(kind, ("balanced", "contiguous", "zigzag") if world == 2 else ("balanced",))
+        _nan_isolation(kind, ("balanced", "contiguous", "zigzag"))
         if world == 2:
             docs = [_docs(FIRST, _vocab(kind), 2), _docs(SECOND, _vocab(kind), 3)]
             for reentrant in (True, False):
