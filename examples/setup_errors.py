@@ -36,6 +36,8 @@ OTHER_RANKS_EXIT_AFTER_S = 10.0
 
 #: Seconds the main process waits for the launcher's SIGTERM after asking it to stop (it then prints anyway).
 LAUNCHER_STOP_WAIT_S = 20.0
+#: Seconds the main process waits, once the launcher's SIGTERM came, for the launcher's own shutdown log lines.
+AGENT_LOG_GRACE_S = 0.5
 
 #: A Hugging Face hub id: ``name`` or ``namespace/name`` (what ``from_pretrained`` may look up when no such path).
 _HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*(/[\w.-]+)?")
@@ -145,6 +147,9 @@ def _stop_accelerate_launcher(line: str) -> None:
         return
 
     def print_and_exit(signum: int, frame: object) -> None:
+        # The agent signals its workers one by one, logging a line for each: let it log the others' first (seen on a
+        # loaded machine: "Sending process ... closing signal SIGTERM" for the second worker after our line).
+        time.sleep(AGENT_LOG_GRACE_S)
         print(line, file=sys.stderr, flush=True)
         os._exit(2)  # the agent is waiting for this process to end; nothing of the set-up needs cleaning
 

@@ -4,6 +4,8 @@ covering every layer type, four heads, a 256-token vocabulary, windows of 6, chu
 
 from __future__ import annotations
 
+import importlib
+import inspect
 import warnings
 from collections.abc import Sequence
 from pathlib import Path
@@ -12,6 +14,8 @@ from typing import Any
 import torch
 from transformers import AutoConfig
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+from ..mixer_table import METHODS, SCAN_MODULES, SCANS, STATEFUL, WINDOWED
 
 __all__ = [
     "CHUNK_SIZE",
@@ -242,11 +246,6 @@ def composite_reason(model_type: str, config: Any) -> str | None:
 def recurrent_model_types() -> list[str]:
     """Every causal-LM ``model_type`` whose modeling file names a recurrent mixer the package serves
     (:mod:`hf_blockdiag_cp.mixer_table`), composite wrappers included (their text model has its own entry)."""
-    import importlib
-    import inspect
-
-    from ..mixer_table import METHODS, SCAN_MODULES, SCANS, STATEFUL, WINDOWED
-
     names = (*SCANS, *METHODS, *WINDOWED, *STATEFUL, *SCAN_MODULES)
     found = []
     for model_type, cls_name in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.items():

@@ -417,7 +417,11 @@ def _post_forward(module: torch.nn.Module, args: tuple, kwargs: dict[str, Any], 
         state.cp_context, state.agreed = None, False
     if output is None:
         err = sys.exc_info()[1]
-        if agreed and ctx is not None and isinstance(err, Exception) and not isinstance(err, (Refusal, AgreementError)):
+        # Refusals, agreement errors and bad input (ValueError / TypeError: the package's checks of the arguments,
+        # alike on every rank) leave the group usable; anything else (an OOM, a failed kernel) may strand the peers.
+        alike = (Refusal, AgreementError, ValueError, TypeError)
+        if agreed and ctx is not None and ctx.group is not None and isinstance(err, Exception) \
+                and not isinstance(err, alike):
             abandon(ctx, err)
         return
     if isinstance(module, PreTrainedModel) and getattr(kwargs.get("cp_context"), "cp_size", 1) > 1:

@@ -25,7 +25,8 @@ def test_shapes_of_known_configs() -> None:
     assert (q.family, q.layers, q.attention_layers) == ("gdn", 1, 1)
     assert q.width == (2 * 4 * 16 + 4 * 16) * 3 + 4 * 16 * 16 * 2
     b = recurrent_shape(tiny_config("bamba"))
-    assert (b.family, b.layers) == ("ssd", 2) and b.width == (8 * 16 + 2 * 8) * 3 + 8 * 16 * 8 + 8
+    assert (b.family, b.layers, b.attention_layers) == ("ssd", 1, 1)
+    assert b.width == (8 * 16 + 2 * 8) * 3 + 8 * 16 * 8 + 8
     c = recurrent_shape(tiny_config("lfm2"))
     assert (c.family, c.layers, c.width) == ("conv", 1, 64 * 2)
     assert recurrent_shape(tiny_config("llama")) is None
