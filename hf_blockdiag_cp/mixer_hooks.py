@@ -182,25 +182,31 @@ def _bound(self: torch.nn.Module, spec: Any, args: tuple, kwargs: dict[str, Any]
     return named
 
 
-def _scan_forward(self: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
-    """A served scan (a wrapper's ``forward`` or a :data:`~.mixer_table.METHODS` method): the original, or once per
-    fragment with packed rows."""
-    original, runs, probe = _served_call(self)
-    if runs is None:
-        return original(*args, **kwargs)
-    probe.attention_calls += 1
-    name = self.__dict__[_NAME_KEY]
-    spec = METHODS[name] if name in METHODS else SCANS[name]
+def _served(lookup: Callable[[str], Any], serve: Callable[..., Any], counted: bool = True) -> Callable[..., Any]:
+    """An instance forward: the original when the forward has one document per row, else ``serve(self, spec,
+    original, runs, args, kwargs)`` with the table entry ``lookup(name)`` (``counted``: a call of the package's token
+    mixing, so that a packed forward of a model without attention layers is not refused)."""
+
+    def forward(self: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
+        original, runs, probe = _served_call(self)
+        if runs is None:
+            return original(*args, **kwargs)
+        if counted:
+            probe.attention_calls += 1
+        return serve(self, lookup(self.__dict__[_NAME_KEY]), original, runs, args, kwargs)
+
+    return forward
+
+
+def _serve_scan(self: torch.nn.Module, spec: ScanFunction, original: Callable, runs: LocalRuns, args: tuple,
+                kwargs: dict[str, Any]) -> Any:
+    """A served scan (a wrapper's ``forward`` or a :data:`~.mixer_table.METHODS` method)."""
     return serve_scan(spec, original, runs, _bound(self, spec, args, kwargs))
 
 
-def _stateful_forward(self: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
-    """A :data:`~.mixer_table.STATEFUL` module: the original, or once per fragment with packed rows."""
-    original, runs, probe = _served_call(self)
-    if runs is None:
-        return original(*args, **kwargs)
-    probe.attention_calls += 1
-    spec = STATEFUL[self.__dict__[_NAME_KEY]]
+def _serve_stateful(self: torch.nn.Module, spec: Any, original: Callable, runs: LocalRuns, args: tuple,
+                    kwargs: dict[str, Any]) -> Any:
+    """A :data:`~.mixer_table.STATEFUL` module; a prefill's cache gets each row's end state."""
     named = _bound(self, spec, args, kwargs)
     cache = named.pop(spec.cache, None)
     layer = getattr(self, spec.layer_attr)
@@ -213,28 +219,26 @@ def _stateful_forward(self: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
     return out, ends
 
 
-def _scan_module_forward(self: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
-    """A :data:`~.mixer_table.SCAN_MODULES` module: the original, or once per fragment with packed rows."""
-    original, runs, probe = _served_call(self)
-    if runs is None:
-        return original(*args, **kwargs)
-    probe.attention_calls += 1
-    spec = SCAN_MODULES[self.__dict__[_NAME_KEY]]
+def _serve_scan_module(self: torch.nn.Module, spec: Any, original: Callable, runs: LocalRuns, args: tuple,
+                       kwargs: dict[str, Any]) -> Any:
+    """A :data:`~.mixer_table.SCAN_MODULES` module (whether the call returns its last states: the row's rule)."""
     named = bind(spec.params, spec.name, args, kwargs)
     returns = spec.returns_states
     returns_states = bool(named.get(spec.state_flag)) if returns is None else returns(self, named)
     return serve_scan_module(spec, original, runs, named, returns_states)
 
 
-def _window_forward(self: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
-    """A :data:`~.mixer_table.WINDOWED` module (or its ``nn.Conv1d`` child): the original, or once per fragment."""
-    original, runs, probe = _served_call(self)
-    if runs is None:
-        return original(*args, **kwargs)
-    spec = WINDOWED[self.__dict__[_NAME_KEY]]
-    named = _bound(self, spec, args, kwargs)
+def _serve_window(self: torch.nn.Module, spec: Any, original: Callable, runs: LocalRuns, args: tuple,
+                  kwargs: dict[str, Any]) -> Any:
+    """A :data:`~.mixer_table.WINDOWED` module (or its ``nn.Conv1d`` child)."""
     width = conv_window(self) if spec.window_attr is None else max(1, int(getattr(self, spec.window_attr)))
-    return serve_window(spec, original, runs, named, width)
+    return serve_window(spec, original, runs, _bound(self, spec, args, kwargs), width)
+
+
+_scan_forward = _served(lambda name: METHODS[name] if name in METHODS else SCANS[name], _serve_scan)
+_stateful_forward = _served(STATEFUL.__getitem__, _serve_stateful)
+_scan_module_forward = _served(SCAN_MODULES.__getitem__, _serve_scan_module)
+_window_forward = _served(WINDOWED.__getitem__, _serve_window, counted=False)
 
 
 def check_signature(spec: ScanFunction, function: Callable) -> None:

@@ -18,7 +18,7 @@ import torch
 
 import hf_blockdiag_cp  # noqa: F401  (registers the attention name)
 from hf_blockdiag_cp.conformance.configs import tiny_config
-from hf_blockdiag_cp.conformance.runs import build_model, make_documents
+from hf_blockdiag_cp.conformance.runs import build_model, document_loss, forward_logits, make_documents
 
 #: Documents of 9-41 tokens (longer than index_topk = 8: sparse), one of 5 (shorter: every earlier key).
 LENGTHS = (9, 23, 5, 41, 12)
@@ -87,3 +87,14 @@ def stable_indexer_topk(model: torch.nn.Module) -> Iterator[None]:
         torch.Tensor.topk = original
         for m in indexers:
             del m.forward
+
+
+def reference(stock: torch.nn.Module, docs: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, dict]:
+    """Each document alone through ``stock`` with the stable tie rule: ``(logits [T, V], summed loss, gradients)``."""
+    stock.zero_grad(set_to_none=True)
+    with stable_indexer_topk(stock):
+        logits = [forward_logits(stock, d[None])[0] for d in docs]
+    loss = sum(document_loss(lg, d) for lg, d in zip(logits, docs))
+    loss.backward()
+    grads = {n: p.grad.detach().clone() for n, p in stock.named_parameters() if p.grad is not None}
+    return torch.cat(logits).detach(), loss.detach(), grads

@@ -32,18 +32,9 @@ CASES = (
 
 
 def _reference(stock, docs):
-    import torch
+    from tests.sparse.harness import reference
 
-    from hf_blockdiag_cp.conformance.runs import document_loss, forward_logits
-    from tests.sparse.harness import stable_indexer_topk
-
-    stock.zero_grad(set_to_none=True)
-    with stable_indexer_topk(stock):
-        logits = [forward_logits(stock, d[None])[0] for d in docs]
-    loss = sum(document_loss(lg, d) for lg, d in zip(logits, docs))
-    loss.backward()
-    grads = {n: p.grad.detach().clone() for n, p in stock.named_parameters() if p.grad is not None}
-    return torch.cat(logits).detach(), loss.detach(), grads
+    return reference(stock, docs)
 
 
 def _shard_run(model, docs, placement, strategy):

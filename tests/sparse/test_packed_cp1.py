@@ -19,20 +19,12 @@ from hf_blockdiag_cp.conformance.runs import (
     packed_inputs,
     packed_run,
 )
-from tests.sparse.harness import documents, models, stable_indexer_topk
+from tests.sparse.harness import documents, models, reference
 
 MODEL_TYPES = ("deepseek_v32", "glm_moe_dsa")
 
 
-def _reference(stock, docs):
-    """Each document alone through ``stock`` (stable tie rule): ``(logits [T, V], loss, gradients)``."""
-    stock.zero_grad(set_to_none=True)
-    with stable_indexer_topk(stock):
-        logits = [forward_logits(stock, d[None])[0] for d in docs]
-    loss = sum(document_loss(lg, d) for lg, d in zip(logits, docs))
-    loss.backward()
-    grads = {n: p.grad.detach().clone() for n, p in stock.named_parameters() if p.grad is not None}
-    return torch.cat(logits).detach(), loss.detach(), grads
+_reference = reference
 
 
 def _packed(model, docs, variant):
