@@ -24,8 +24,8 @@ from .backend import forward_backend
 
 __all__ = ["GATHER", "Fragment", "LocalRuns", "local_runs"]
 
-#: What the state all-gather and its backward are called in errors and traffic counters.
-GATHER = ("recurrent state all-gather", "recurrent state gradient reduce-scatter")
+#: What the state all-gather is called in errors (its backward: "recurrent state gradient ...", by the runtime).
+GATHER = "recurrent state all-gather"
 
 
 @dataclass(frozen=True, eq=False)
@@ -74,7 +74,7 @@ class LocalRuns:
     def gather(self, buffer: torch.Tensor) -> torch.Tensor:
         """Every rank's ``buffer [slots, W]`` as ``[P * slots, W]`` (rank-major), differentiably: the step's one
         recurrent collective per layer and direction, named :data:`GATHER` in errors."""
-        return step_runtime(self.context).all_gather(self.context, buffer, GATHER[0])
+        return step_runtime(self.context).all_gather(self.context, buffer, GATHER)
 
     def guard(self, what: str) -> Any:
         """Under CP: a runner that raises between collectives marks the group failed and raises
