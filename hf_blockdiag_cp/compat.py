@@ -19,7 +19,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.distributed_c10d import _resolve_process_group, _set_pg_timeout
 
-__all__ = ["CONFIG_ATTN_PROPERTY", "CPU_FLASH_ATTENTION", "CPU_FLASH_ATTENTION_BACKWARD", "KERNEL_FUNCS_ATTR",
+__all__ = ["CHECKPOINT_FUNC_ATTR", "CONFIG_ATTN_PROPERTY", "CPU_FLASH_ATTENTION", "CPU_FLASH_ATTENTION_BACKWARD",
+           "KERNEL_FUNCS_ATTR",
            "MASK_CLOSURES", "RGLRU_SCAN_METHOD", "kernel_functions", "kernels_available",
            "MULTIMODAL_ENCODER_KEYWORD", "SFT_TRAINER_PRIVATE_METHODS", "TRAINER_PRIVATE_METHODS",
            "accelerate_dispatching_processes", "accelerate_prepared", "backend_options", "backend_timeouts",
@@ -40,6 +41,10 @@ KERNEL_FUNCS_ATTR = "_kernel_funcs"
 #: RecurrentGemma's RG-LRU runs its scan in this private method ``(hidden_states, recurrent_gate, reset,
 #: recurrent_states, acc_dtype)``: served by an instance attribute of the same name.
 RGLRU_SCAN_METHOD = "_rnn_scan"
+#: transformers' per-layer activation-checkpoint function (set by ``gradient_checkpointing_enable`` on every
+#: ``GradientCheckpointingLayer``; called as ``func(partial(forward, layer, **kwargs), *args)``, so what it is given
+#: is what the backward's recompute runs).
+CHECKPOINT_FUNC_ATTR = "_gradient_checkpointing_func"
 
 
 def kernel_functions(module: object) -> dict[str, Any] | None:

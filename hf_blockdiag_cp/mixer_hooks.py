@@ -153,10 +153,7 @@ def _install(module: torch.nn.Module, attr: str, forward: Callable, probe: Any, 
 def _held_runs(probe: Any) -> LocalRuns | None:
     """The fragments of the forward in progress (or being recomputed in backward); ``None`` for one document per
     row and for a later direct call of a submodule, whose model pre-hook did not run."""
-    if not probe.holds_step():
-        return None
-    probe.check_recompute("a recurrent mixer")
-    return probe.runs
+    return probe.held("a recurrent mixer").runs if probe.holds_step() else None
 
 
 def _served_call(self: torch.nn.Module) -> tuple[Callable, LocalRuns | None, Any]:

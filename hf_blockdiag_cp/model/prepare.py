@@ -71,7 +71,7 @@ from .detect import (
     uses_blockdiag_cp,
 )
 from .forward_agreement import agree_forward
-from .forward_runs import PROBE_ATTR, check_recompute, install_layer_hooks, remove_layer_hooks
+from .forward_runs import PROBE_ATTR, Held, check_recompute, install_layer_hooks, remove_layer_hooks
 from .head_refusals import check_logits_to_keep, row_pooling_refusal
 from .media import encode_and_exchange, is_mrope, refuse_flat_mrope
 from .moe_aux import exact_router_aux_loss
@@ -137,6 +137,9 @@ class ForwardState:
             them to (granitemoehybrid builds neither its layers' keywords nor its masks from them).
         agreed: the forward in progress passed its agreement (CP > 1): from there on its peers are in its
             collectives, and a raise that leaves them there breaks the group (:func:`_post_forward`).
+        replaying: the :class:`~.forward_runs.Held` state of the forward whose checkpointed layer runs now (its
+            first run or its recompute in backward), carried by the layer's checkpoint function; read instead of the
+            latest forward's (:meth:`held`).
     """
 
     attention_calls: int = 0
@@ -146,6 +149,7 @@ class ForwardState:
     runs: LocalRuns | None = None
     held_positions: torch.Tensor | None = None
     agreed: bool = False
+    replaying: Held | None = None
 
     def holds_step(self) -> bool:
         """Whether the held forward state (``held_context``, ``runs``) applies to a call now: during the forward
@@ -153,10 +157,18 @@ class ForwardState:
         to a later direct call of a submodule, whose pre-hook does not run."""
         return bool(self.starts) or in_autograd_backward()
 
-    def check_recompute(self, what: str) -> None:
-        """Refuse reading the held forward state in a recompute while several packed forwards wait for the backward
+    def current(self) -> Held:
+        """The latest forward's state, as a snapshot a checkpoint can carry to its recompute."""
+        return Held(self, self.runs, self.held_positions, self.held_context)
+
+    def held(self, what: str) -> Held:
+        """The state ``what`` (a served mixer, an attention layer, ...) reads now: the forward being replayed, else
+        the latest one; the latter refused in a recompute while several packed forwards wait for the backward
         (:func:`~.forward_runs.check_recompute`)."""
+        if self.replaying is not None:
+            return self.replaying
         check_recompute(self, what)
+        return self.current()
 
 
 @dataclass(eq=False)
@@ -192,8 +204,10 @@ def attention_context(module: torch.nn.Module, cp_context: Any) -> Any:
     state.attention_calls += 1
     if cp_context is not None:
         return cp_context
-    if state.holds_step() and state.held_context is not None:
-        return state.held_context
+    if state.holds_step() and (state.replaying is not None or state.held_context is not None):
+        held = state.held(f"{type(module).__name__} (attention called without the model's keyword arguments)")
+        if held.context is not None:
+            return held.context
     if state.cp_context is None:
         return None
     findings: ModelFindings | None = module.__dict__.get(FINDINGS_ATTR)
@@ -213,12 +227,10 @@ def held_positions(module: torch.nn.Module, length: int) -> torch.Tensor | None:
     without this, its attention layers would attend across the documents of a ``DataCollatorWithFlattening`` row.
     """
     state: ForwardState | None = module.__dict__.get(PROBE_ATTR)
-    if state is None or state.held_positions is None or not state.holds_step():
+    if state is None or not state.holds_step() or (state.replaying is None and state.held_positions is None):
         return None
-    if state.held_positions.shape[-1] != length:
-        return None
-    state.check_recompute(f"{type(module).__name__} (attention without position_ids)")
-    return state.held_positions
+    positions = state.held(f"{type(module).__name__} (attention without position_ids)").positions
+    return positions if positions is not None and positions.shape[-1] == length else None
 
 
 def prepare_model(model: torch.nn.Module, *, strict: bool = False) -> torch.nn.Module:

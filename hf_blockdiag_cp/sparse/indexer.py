@@ -145,8 +145,7 @@ def _refused_forward(self: torch.nn.Module, hidden_states: torch.Tensor, positio
 def _held_runs(probe: Any) -> Any:
     if probe is None or not probe.holds_step():
         return None
-    probe.check_recompute("a sparse indexer")  # refused while two packed forwards wait for one backward
-    return probe.runs
+    return probe.held("a sparse indexer").runs  # the forward being recomputed, else the latest (or refused)
 
 
 def _expand_kv(self: torch.nn.Module, kv_nope: torch.Tensor, k_rot: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -453,3 +453,25 @@ def test_without_kernels_a_hybrid_is_refused_naming_it():
     assert "REFUSED" in out.stdout, out.stderr[-2000:]
     assert "`kernels` package, which is not installed" in out.stdout
     assert compat.kernels_available()  # this process has it
+
+
+def test_transformers_checkpoints_a_layer_through_its_private_function():
+    """``gradient_checkpointing_enable`` sets :data:`compat.CHECKPOINT_FUNC_ATTR` on every checkpointable layer, and
+    a training forward calls it with the function the recompute runs (``forward_runs`` wraps it to carry the
+    forward's fragments)."""
+    from hf_blockdiag_cp.conformance.configs import tiny_config
+    from hf_blockdiag_cp.conformance.runs import build_model
+
+    model = build_model(tiny_config("llama"), None).train()
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    layer = model.model.layers[0]
+    inner = layer.__dict__[compat.CHECKPOINT_FUNC_ATTR]
+    calls = []
+
+    def recorder(function, *args, **kwargs):
+        calls.append(function)
+        return inner(function, *args, **kwargs)
+
+    layer.__dict__[compat.CHECKPOINT_FUNC_ATTR] = recorder
+    model(input_ids=torch.tensor([[1, 2, 3]])).logits.sum().backward()
+    assert len(calls) == 1 and callable(calls[0])

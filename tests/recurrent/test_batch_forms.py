@@ -18,6 +18,8 @@ from hf_blockdiag_cp.conformance.configs import composite_reason, recurrent_mode
 from hf_blockdiag_cp.conformance.runs import (
     VARIANTS,
     build_model,
+    document_loss,
+    forward_logits,
     grad_error,
     make_documents,
     packed_inputs,
@@ -79,3 +81,27 @@ def test_granitemoehybrid_attention_reads_the_models_position_ids(monkeypatch: p
     logits, _ = packed_run(ours, docs, packed_inputs(docs, "position_ids"))
     assert (logits - ref_logits).abs().max() / ref_logits.abs().max() > 1e-2
     torch.testing.assert_close(logits[:len(docs[0])], ref_logits[:len(docs[0])], rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("reentrant", [True, False])
+def test_position_ids_only_two_forwards_one_checkpointed_backward(reentrant: bool) -> None:
+    """granitemoehybrid given position_ids only, two packed forwards with different boundaries and one backward,
+    transformers' checkpointing on: each recompute reads its own forward's fragments and held positions (its
+    attention layers get none from the decoder), so the summed gradients equal each document alone."""
+    config = tiny_config("granitemoehybrid")
+    stock, ours = build_model(config, None), build_model(config, "blockdiag_cp")
+    parts = [make_documents(config, seed=1, lengths=(5, 17, 9)), make_documents(config, seed=2, lengths=(12, 3, 20))]
+    ref: dict[str, torch.Tensor] = {}
+    for docs in parts:
+        for name, grad in reference_run(stock, docs)[1].items():
+            ref[name] = ref.get(name, 0) + grad
+    ours.train().gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
+    ours.zero_grad(set_to_none=True)
+    losses = []
+    for docs in parts:
+        logits = forward_logits(ours, **packed_inputs(docs, "position_ids"))[0]
+        bounds = torch.tensor([0, *(len(d) for d in docs)]).cumsum(0).tolist()
+        losses += [document_loss(logits[a:b], d) for a, b, d in zip(bounds, bounds[1:], docs)]
+    sum(losses).backward()
+    grads = {n: p.grad for n, p in ours.named_parameters() if p.grad is not None}
+    assert grad_error(grads, ref) < 1e-4

@@ -4,9 +4,10 @@
   over the ranks) leaves every other document's logits those of the document alone, at CP = 2 under every placement
   and at CP = 4 (a gated delta rule, an SSD and a convolution model).
 - Two packed forwards and one backward with activation checkpointing (DPO's chosen / rejected, summed micro-batches),
-  reentrant and non-reentrant, at CP = 1 and CP = 2: refused naming the cause (a recompute cannot tell which
-  forward it belongs to, :mod:`hf_blockdiag_cp.model.forward_runs`); a backward per forward equals each document
-  alone.
+  reentrant and non-reentrant, at CP = 1 and CP = 2: through transformers' checkpointing each recompute reads its
+  own forward's fragments (:mod:`hf_blockdiag_cp.model.forward_runs`) and the gradients equal each document alone;
+  through torch's checkpoint wrapper (which carries nothing) refused naming the cause, and a backward per forward
+  is exact.
 
 Gated delta rule layers get ``A_log = -4`` (decay ~0.97 per token): tiny random configs forget their state after one
 token, which would let a wrong hand-off pass unseen.
@@ -81,10 +82,27 @@ def _nan_isolation(kind: str, placements: tuple[str, ...]) -> None:
                                    msg=lambda m, p=placement: f"{kind} {p}: neighbours of a NaN document: {m}")
 
 
+def _wrap_layers_with_torch_checkpoint(model: torch.nn.Module, reentrant: bool) -> None:
+    """Checkpoint every decoder layer the way FSDP / accelerate do (torch's ``checkpoint_wrapper``), not through
+    transformers' ``gradient_checkpointing_enable``."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+        CheckpointImpl,
+        apply_activation_checkpointing,
+        checkpoint_wrapper,
+    )
+    from transformers.modeling_layers import GradientCheckpointingLayer
+
+    impl = CheckpointImpl.REENTRANT if reentrant else CheckpointImpl.NO_REENTRANT
+    apply_activation_checkpointing(model, checkpoint_wrapper_fn=lambda m: checkpoint_wrapper(m, checkpoint_impl=impl),
+                                   check_fn=lambda m: isinstance(m, GradientCheckpointingLayer))
+
+
 def _two_forwards(kind: str, reentrant: bool, batches: list[dict], docs: list[list[torch.Tensor]],
                   distributed: bool) -> None:
-    """Two packed forwards, one backward, checkpointing on: refused naming the cause (each recompute would read the
-    latest forward's fragments); the same forwards with a backward each are exact."""
+    """Two packed forwards (different document boundaries), one backward, transformers' checkpointing on: each
+    layer's recompute reads its own forward's fragments (carried by the checkpoint), so the summed gradients equal
+    each document alone. The same with torch's checkpoint wrapper, which carries nothing: refused naming the cause;
+    there a backward per forward is exact."""
     from hf_blockdiag_cp.errors import UnsupportedModel
     from tests.reference import documents_alone
 
@@ -94,7 +112,24 @@ def _two_forwards(kind: str, reentrant: bool, batches: list[dict], docs: list[li
         for name, grad in documents_alone(kind, part, stock).grads.items():
             ref[name] = ref.get(name, 0) + grad
             stock.zero_grad()
+
+    def check(model: torch.nn.Module, what: str) -> None:
+        for name, p in model.named_parameters():
+            grad = p.grad
+            if distributed:
+                import torch.distributed as dist
+
+                dist.all_reduce(grad)
+            name = name.replace("_checkpoint_wrapped_module.", "")
+            torch.testing.assert_close(grad, ref[name], rtol=1e-4, atol=1e-6,
+                                       msg=lambda m, n=name: f"{kind} reentrant={reentrant} {what} grad {n}: {m}")
+
     ours.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
+    sum(ours(**batch).loss for batch in batches).backward()
+    check(ours, "two forwards, one backward")
+
+    _, _, ours = _models(kind)
+    _wrap_layers_with_torch_checkpoint(ours, reentrant)
 
     def refusal() -> str:
         losses = [ours(**batch).loss for batch in batches]
@@ -106,17 +141,10 @@ def _two_forwards(kind: str, reentrant: bool, batches: list[dict], docs: list[li
 
     assert "packed forwards wait for this backward" in refusal()
     _, _, ours = _models(kind)  # a fresh model: a backward that raised may leave its graphs alive
-    ours.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
-    for batch in batches:  # a backward per forward: each recompute reads its own forward's fragments
+    _wrap_layers_with_torch_checkpoint(ours, reentrant)
+    for batch in batches:  # a backward per forward: each recompute reads its own (the latest) forward's fragments
         ours(**batch).loss.backward()
-    for name, p in ours.named_parameters():
-        grad = p.grad
-        if distributed:
-            import torch.distributed as dist
-
-            dist.all_reduce(grad)
-        torch.testing.assert_close(grad, ref[name], rtol=1e-4, atol=1e-6,
-                                   msg=lambda m, n=name: f"{kind} reentrant={reentrant} grad {n}: {m}")
+    check(ours, "torch checkpoint_wrapper, a backward per forward")
 
 
 def _worker(rank: int, world: int) -> dict:
