@@ -9,18 +9,24 @@ the stock model (sdpa, transformers' torch fallbacks) runs the same tokens as ON
 the cost floor; the acceptance bound is ratio <= 1.5). ``tiny-qwen3-next`` is the whole 4-layer model of
 ``configs/model/tiny-qwen3-next.json``. One thread, median of ``--repeats`` after one warm-up.
 
-``--part cp``: one training step (forward + backward) of ``configs/model/tiny-qwen3-next.json`` on one packed row of
-``--tokens`` tokens: CP = 1 (one process, one thread) vs CP = 2 (two gloo processes, one thread each, balanced
-placement), per recurrent backend; the bound is CP = 2 / CP = 1 <= 0.6. Wall time per step (the slowest rank) and
-the CPU time the busiest rank spent in the step (``time.process_time``: on a shared, loaded machine the two
-processes compete for cores with other work, which inflates wall time but not CPU time; gloo waits block). Processes
-meet through a file store in a temporary directory (no port).
+``--part cp``: one training step (forward + backward) of ``configs/model/tiny-qwen3-next.json`` (``--models``: also
+``tiny-nemotron-h.json``, Mamba2 / SSD) on one packed row of ``--tokens`` tokens: CP = 1 (one process, one thread)
+vs CP = P for each of ``--worlds`` (P gloo processes, one thread each, the placement the collator chooses for the
+model), per recurrent backend; the bounds (issue 36) are CP = 2 / CP = 1 <= 0.52 and CP = 4 / CP = 1 <= 0.28. Wall
+time per step (the slowest rank) and the CPU time the busiest rank spent in the step (``time.process_time``: on a
+shared, loaded machine the processes compete for cores with other work, which inflates wall time but not CPU time;
+gloo waits block), and the most any rank waited per step for its recurrent summary gathers (``comm_stats``'s
+``waited_s``; ``--no-overlap`` waits for each gather as soon as it started, the comparison for the overlap of the
+gather with the fragments that need no incoming state). Processes meet through a file store in a temporary
+directory (no port).
 
 transformers' Mamba1 fallback backward is quadratic in the length (hours at 16K), so ``mamba`` is timed forward
 only (marked ``fwd``) unless ``--mamba-backward``.
 
     python benchmarks/bench_recurrent_layers.py --part layers            # 16K tokens, 8 docs
     python benchmarks/bench_recurrent_layers.py --part cp --steps 3
+    python benchmarks/bench_recurrent_layers.py --part cp --backends auto --worlds 2 4 \
+        --models tiny-qwen3-next tiny-nemotron-h
     python benchmarks/bench_recurrent_layers.py --part layers --types gdn ssd --tokens 4096
 """
 
@@ -45,6 +51,8 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from bench_recurrent_ops import lognormal_lengths  # noqa: E402
 
+from hf_blockdiag_cp.recurrent.runs import GATHER  # noqa: E402
+
 #: Per mixer type: (model type, config overrides making its one decoder layer that mixer).
 LAYERS: dict[str, tuple[str, dict]] = {
     "gdn": ("qwen3_next", {"num_hidden_layers": 1, "layer_types": ["linear_attention"]}),
@@ -54,6 +62,8 @@ LAYERS: dict[str, tuple[str, dict]] = {
     "conv": ("lfm2", {"num_hidden_layers": 1, "layer_types": ["conv"], "full_attn_idxs": []}),
 }
 BACKENDS = ("model", "torch", "auto")
+#: ``--part cp`` models: whole tiny hybrids under ``configs/model/`` (3 recurrent layers + 1 attention layer each).
+CP_MODELS = ("tiny-qwen3-next", "tiny-nemotron-h")
 ENV = "HF_BLOCKDIAG_CP_RECURRENT_BACKEND"
 
 
@@ -61,8 +71,8 @@ def _config(kind: str):
     from transformers import AutoConfig
 
     from hf_blockdiag_cp.conformance.configs import tiny_config
-    if kind == "tiny-qwen3-next":
-        return AutoConfig.from_pretrained(ROOT / "configs" / "model" / "tiny-qwen3-next.json")
+    if kind in CP_MODELS:
+        return AutoConfig.from_pretrained(ROOT / "configs" / "model" / f"{kind}.json")
     model_type, overrides = LAYERS[kind]
     config = copy.deepcopy(tiny_config(model_type))
     for key, value in overrides.items():
@@ -128,17 +138,29 @@ def _cp_worker(rank: int, world: int, store_path: str, spec: dict, out_path: str
     if world > 1:
         dist.init_process_group("gloo", init_method=f"file://{store_path}", rank=rank, world_size=world)
         group = dist.group.WORLD
-    config = _config("tiny-qwen3-next")
+    config = _config(spec["model"])
     model = build_model(config, "blockdiag_cp").train()
     gen = torch.Generator().manual_seed(spec["seed"])
     docs = [torch.randint(3, config.vocab_size - 2, (n,), generator=gen).tolist() for n in spec["lens"]]
-    collator = bd.PackingCollator(spec["tokens"], group=group, pad_token_id=config.pad_token_id,
+    collator = bd.PackingCollator(spec["tokens"], group=group, pad_token_id=config.pad_token_id, model_config=config,
                                   config=bd.BlockDiagCPConfig(recurrent_backend=spec["backend"]))
     batch = collator([{"input_ids": d} for d in docs])
+    if spec.get("no_overlap"):  # the comparison: wait for each summary gather as soon as it started
+        from hf_blockdiag_cp.recurrent import driver
+        started = driver.gather
+
+        def eager(runs, sent, width, device, deferred=None):
+            out = started(runs, sent, width, device, deferred)
+            if deferred is not None:
+                deferred.wait()
+            return out
+        driver.gather = eager
     times = []
+    waited = bd.comm_stats(batch["cp_context"]).waited_s if group is not None else {}
     for i in range(spec["steps"] + 1):
         if group is not None:
             dist.barrier()
+        before = waited.get(GATHER, 0.0)
         start, cpu = time.perf_counter(), time.process_time()
         model.zero_grad(set_to_none=True)
         out = model(**batch)
@@ -147,14 +169,14 @@ def _cp_worker(rank: int, world: int, store_path: str, spec: dict, out_path: str
         if group is not None:  # the gradient all-reduce of data parallelism is not part of the CP cost
             dist.barrier()
         if i:
-            times.append((time.perf_counter() - start, cpu))
+            times.append((time.perf_counter() - start, cpu, waited.get(GATHER, 0.0) - before))
     Path(f"{out_path}.{rank}").write_text(json.dumps(times))
     if group is not None:
         dist.destroy_process_group()
 
 
-def _cp_time(world: int, spec: dict) -> tuple[float, float]:
-    """(wall, CPU) seconds of one step: per step the slowest rank, median over steps."""
+def _cp_time(world: int, spec: dict) -> tuple[float, float, float]:
+    """(wall, CPU, recurrent gather wait) seconds of one step: per step the slowest rank, median over steps."""
     import torch.multiprocessing as mp
     with tempfile.TemporaryDirectory() as tmp:
         store, out = os.path.join(tmp, "store"), os.path.join(tmp, "times")
@@ -164,23 +186,30 @@ def _cp_time(world: int, spec: dict) -> tuple[float, float]:
             mp.start_processes(_cp_worker, args=(world, store, spec, out), nprocs=world, start_method="spawn")
         per_rank = [json.loads(Path(f"{out}.{r}").read_text()) for r in range(world)]
     steps = list(zip(*per_rank))  # per step, each rank's (wall, cpu)
-    return (statistics.median(max(r[0] for r in step) for step in steps),
-            statistics.median(max(r[1] for r in step) for step in steps))
+    return tuple(statistics.median(max(r[k] for r in step) for step in steps) for k in range(3))
 
 
 def cp(args) -> None:
     lens = lognormal_lengths(args.tokens, args.docs, args.seed)
-    print(f"# tiny-qwen3-next, one training step (fwd+bwd) on a {args.tokens}-token row, docs {lens}, one thread per "
-          f"rank, median of {args.steps}")
-    print("| recurrent_backend | CP = 1 wall | CP = 2 wall | wall CP = 2 / CP = 1 | CP = 1 CPU | CP = 2 CPU (max rank) "
-          "| CPU CP = 2 / CP = 1 |")
-    print("|---|---|---|---|---|---|---|")
-    for backend in args.backends:
-        spec = {"backend": backend, "seed": args.seed, "lens": lens, "tokens": args.tokens, "steps": args.steps}
-        one = _cp_time(1, spec)
-        two = _cp_time(2, spec)
-        print(f"| {backend} | {one[0] * 1e3:.0f} ms | {two[0] * 1e3:.0f} ms | {two[0] / one[0]:.2f} | "
-              f"{one[1] * 1e3:.0f} ms | {two[1] * 1e3:.0f} ms | {two[1] / one[1]:.2f} |", flush=True)
+    worlds = [w for w in args.worlds if w > 1]
+    for model in args.models:
+        print(f"# {model}, one training step (fwd+bwd) on a {args.tokens}-token row, docs {lens}, one thread per "
+              f"rank, median of {args.steps}; CP = P / CP = 1 is the busiest rank's CPU time (wall in brackets); "
+              f"wait: the most any rank waited per step for its recurrent summary gathers"
+              f"{' (no overlap)' if args.no_overlap else ''}")
+        print("| recurrent_backend | CP = 1 CPU (wall) | " + " | ".join(
+            f"CP = {w} CPU (wall) | CP = {w} / CP = 1 | CP = {w} wait" for w in worlds) + " |")
+        print("|---|---|" + "---|---|---|" * len(worlds))
+        for backend in args.backends:
+            spec = {"backend": backend, "seed": args.seed, "lens": lens, "tokens": args.tokens, "steps": args.steps,
+                    "model": model, "no_overlap": args.no_overlap}
+            one = _cp_time(1, spec)
+            cells = [f"{one[1] * 1e3:.0f} ms ({one[0] * 1e3:.0f})"]
+            for world in worlds:
+                many = _cp_time(world, spec)
+                cells += [f"{many[1] * 1e3:.0f} ms ({many[0] * 1e3:.0f})",
+                          f"{many[1] / one[1]:.3f} ({many[0] / one[0]:.3f})", f"{many[2] * 1e3:.1f} ms"]
+            print(f"| {backend} | " + " | ".join(cells) + " |", flush=True)
 
 
 def main() -> None:
@@ -196,6 +225,12 @@ def main() -> None:
                         choices=[*LAYERS, "tiny-qwen3-next"], help="--part layers: mixers to time")
     parser.add_argument("--backends", nargs="+", default=["model", "torch", "auto"],
                         choices=["model", "torch", "auto"], help="--part cp: recurrent backends to time")
+    parser.add_argument("--models", nargs="+", default=["tiny-qwen3-next"], choices=CP_MODELS,
+                        help="--part cp: the tiny hybrids to step (default tiny-qwen3-next)")
+    parser.add_argument("--worlds", nargs="+", type=int, default=[2],
+                        help="--part cp: CP sizes to compare with CP = 1 (default 2)")
+    parser.add_argument("--no-overlap", action="store_true",
+                        help="--part cp: wait for each recurrent summary gather at once (the comparison)")
     parser.add_argument("--mamba-backward", action="store_true", help="also time the stock Mamba1 backward")
     args = parser.parse_args()
     torch.set_num_threads(1)

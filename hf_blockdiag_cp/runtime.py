@@ -53,7 +53,7 @@ import torch.distributed as dist
 from .config import BlockDiagCPConfig
 from .context import BlockDiagCPContext
 from .distributed import CommStats, RankExchange, agree_on_backends, mark_broken
-from .distributed.exchange import GatherGroup, all_gather, exchange_kv
+from .distributed.exchange import Deferred, GatherGroup, all_gather, exchange_kv
 from .distributed.groups import GroupRef
 from .distributed.ulysses import HeadA2A
 from .errors import CollectiveError, CPKernelError
@@ -203,16 +203,19 @@ class StepRuntime:
                                                            timeout=self.collective_timeout(ctx))
         return found
 
-    def all_gather(self, ctx: BlockDiagCPContext, buffer: torch.Tensor, what: str) -> torch.Tensor:
+    def all_gather(self, ctx: BlockDiagCPContext, buffer: torch.Tensor, what: str,
+                   deferred: Deferred | None = None) -> torch.Tensor:
         """Every CP rank's fixed-shape ``buffer [N, W]`` -> ``[P * N, W]`` (rank ``r``'s rows at ``r * N``),
         differentiable (backward: a reduce-scatter named after it, e.g. ``"recurrent state gradient
         reduce-scatter"``), bounded by the step's timeout, bytes counted in :attr:`comm`.
 
         Refuses to start (:class:`~hf_blockdiag_cp.errors.CollectiveError` naming ``what``) on a group that failed
-        earlier, like every other collective of the package.
+        earlier, like every other collective of the package. With ``deferred``
+        (:class:`~hf_blockdiag_cp.distributed.exchange.Deferred`) it returns once started: read the result after
+        ``deferred.wait()``; the seconds waited there are counted in :attr:`comm` (``waited_s``).
         """
         on = GatherGroup(ctx.cp_size, ctx.cp_rank, ctx.group, self.collective_timeout(ctx), self.comm)
-        return all_gather(buffer, on, what)
+        return all_gather(buffer, on, what, deferred)
 
     @contextlib.contextmanager
     def guard(self, ctx: BlockDiagCPContext, what: str) -> Iterator[None]:

@@ -35,7 +35,7 @@ import torch.distributed as dist
 from ..errors import CollectiveError, ExchangeSizeError
 from ..planning.exchange import RankTransfer, Strategy
 
-__all__ = ["CollectiveError", "CommStats", "ExchangeSizeError", "GatherGroup", "RankExchange", "all_gather",
+__all__ = ["CollectiveError", "CommStats", "Deferred", "ExchangeSizeError", "GatherGroup", "RankExchange", "all_gather",
            "check_message", "check_sizes", "check_usable", "exchange_kv", "gradient_name", "mark_broken", "wait"]
 
 
@@ -85,6 +85,8 @@ class CommStats:
     forward_calls: int = 0
     backward_calls: int = 0
     per_call: list[tuple[str, int, int]] = field(default_factory=list)  # (phase, sent, received)
+    #: seconds this rank waited for forward all-gathers to finish, by what they gather (after any overlapped work)
+    waited_s: dict[str, float] = field(default_factory=dict)
 
     def record(self, phase: str, s: int, r: int) -> None:
         """Add ``s`` bytes sent and ``r`` bytes received by one forward or backward exchange."""
@@ -95,6 +97,10 @@ class CommStats:
         else:
             self.backward_calls += 1
         self.per_call.append((phase, s, r))
+
+    def waited(self, what: str, seconds: float) -> None:
+        """Add ``seconds`` this rank spent waiting for a forward ``what``."""
+        self.waited_s[what] = self.waited_s.get(what, 0.0) + seconds
 
 
 @dataclass(frozen=True, eq=False)
@@ -200,17 +206,45 @@ def gradient_name(what: str) -> str:
     return f"{what.removesuffix('all-gather').strip()} gradient reduce-scatter"
 
 
+class Deferred:
+    """A forward all-gather started by :func:`all_gather` with ``deferred=``: its output is not to be read until
+    :meth:`wait` returned (the caller runs work that does not need it meanwhile)."""
+
+    def __init__(self) -> None:
+        self._pending: tuple | None = None
+
+    def wait(self) -> None:
+        """Wait for the gather (a :class:`CollectiveError` naming it on failure or timeout); then its output holds
+        every rank's rows. Idempotent."""
+        if self._pending is None:
+            return
+        work, ex, what = self._pending
+        self._pending = None
+        _waited(work, ex, what)
+
+
+def _waited(work, ex: RankExchange | GatherGroup, what: str) -> None:
+    start = time.perf_counter()
+    wait(work, what, ex.rank, ex.timeout, group=ex.group)
+    if ex.stats is not None:
+        ex.stats.waited(what, time.perf_counter() - start)
+
+
 class _AllGather(torch.autograd.Function):
     """``[N, W]`` on every rank -> ``[P * N, W]`` (rank ``r``'s rows at ``r * N``); backward: a reduce-scatter.
-    ``what`` names both directions in errors (:func:`gradient_name`)."""
+    ``what`` names both directions in errors (:func:`gradient_name`); with a :class:`Deferred`, the forward returns
+    at once and the deferred's ``wait`` finishes it."""
 
     @staticmethod
     def forward(ctx, buf: torch.Tensor, ex: RankExchange | GatherGroup,  # type: ignore[override]
-                what: str = "K/V all-gather") -> torch.Tensor:
+                what: str = "K/V all-gather", deferred: Deferred | None = None) -> torch.Tensor:
         buf = buf.contiguous()
         out = buf.new_empty(ex.size * buf.shape[0], buf.shape[1])
         work = all_gather_single(out, buf, group=ex.group, async_op=True)
-        wait(work, what, ex.rank, ex.timeout, group=ex.group)
+        if deferred is None:
+            _waited(work, ex, what)
+        else:
+            deferred._pending = (work, ex, what)
         ctx.ex, ctx.what = ex, what
         if ex.stats is not None:
             moved = buf.nbytes * (ex.size - 1)
@@ -229,19 +263,21 @@ class _AllGather(torch.autograd.Function):
         if ex.stats is not None:
             moved = out.nbytes * (ex.size - 1)
             ex.stats.record("backward", moved, moved)
-        return out, None, None
+        return out, None, None, None
 
 
-def all_gather(buf: torch.Tensor, on: GatherGroup, what: str) -> torch.Tensor:
+def all_gather(buf: torch.Tensor, on: GatherGroup, what: str, deferred: Deferred | None = None) -> torch.Tensor:
     """Differentiable all-gather of fixed-shape ``buf [N, W]`` (the same shape on every rank) -> ``[P * N, W]``.
 
     Raises :class:`CollectiveError` naming ``what`` at once when the group failed earlier, or when a peer fails or
     stalls; its backward (a reduce-scatter, summing every rank's gradient of this rank's rows) is named after it.
+    With ``deferred``, returns as soon as the gather started: read the result only after ``deferred.wait()``
+    (which raises those errors), and leave ``buf`` unchanged until then.
     """
     check_usable(on.group, what, on.rank)
     if buf.dim() != 2:
         raise ExchangeSizeError(f"CP rank {on.rank}: the {what} sends [N, W] buffers, got shape {tuple(buf.shape)}")
-    return _AllGather.apply(buf, on, what)
+    return _AllGather.apply(buf, on, what, deferred)
 
 
 class _Halo(torch.autograd.Function):

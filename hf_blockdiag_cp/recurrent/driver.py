@@ -5,15 +5,19 @@ it *continues* when an earlier piece of its document exists and *sends* when a l
 knows how to run fragments of one call (the model's function, the package's ops, a whole module, a window); its
 :attr:`~Runner.algebra` knows the summaries (:mod:`.algebra`). :func:`run_fragments`:
 
-1. runs from a zero state every fragment that starts its document, every one that sends (its end state from zero is
-   its summary's end), and, when the runner *corrects* (outputs linear in the entering state: ``o(S) = o(0) +
-   read(S)``), every continuing one, once;
-2. under CP gathers every rank's summaries in ONE fixed-shape all-gather (``slots`` per rank, :func:`gather`);
-3. folds each continuing fragment's entering state from the earlier fragments' summaries in document order and
-   either corrects its output or runs it from that state;
+1. runs what the summaries need: from a zero state every fragment that sends and starts its document (its end state
+   from zero is its summary's end), and for the fragments that continue and send their transitions (a runner that
+   *corrects*, outputs linear in the entering state ``o(S) = o(0) + read(S)``, gets both and its reads in one pass);
+2. under CP starts ONE fixed-shape all-gather of every rank's summaries (``slots`` per rank, :func:`gather`) and,
+   while it is under way, runs everything that needs no incoming state: the other fragments that start their
+   document and, when the runner corrects, the continuing ones that do not send (their reads);
+3. waits, folds each continuing fragment's entering state from the earlier fragments' summaries in document order
+   and either corrects its output or runs it from that state;
 4. reassembles the rows and ties the gather into the output so that every rank runs the gather's backward
    (:func:`tie`, a zero that does not carry values: a NaN document stays in its document).
 
+Every fragment runs once when the runner corrects (a non-correcting runner reruns the continuing ones from their
+state, and a continuing one that sends also runs from zero for its summary's end).
 At CP = 1 the fragments are the documents (nothing continues): step 1 is the whole call.
 """
 
@@ -24,6 +28,7 @@ from typing import Any, Protocol
 
 import torch
 
+from ..distributed.exchange import Deferred
 from ..planning.fragments import Fragment
 from .algebra import State, StateAlgebra, Summary
 from .runs import LocalRuns
@@ -86,55 +91,69 @@ def tie(out: Any, gathered: torch.Tensor) -> Any:
     return out + _ZeroOf.apply(gathered, out.dtype)
 
 
-def gather(runs: LocalRuns, sent: Sequence[torch.Tensor], width: int, device: torch.device) -> torch.Tensor:
+def gather(runs: LocalRuns, sent: Sequence[torch.Tensor], width: int, device: torch.device,
+           deferred: Deferred | None = None) -> torch.Tensor:
     """Every rank's summaries ``[P * slots, W]`` fp32 (rank ``r``'s slot ``s`` at row ``r * slots + s``) from this
-    rank's ``sent`` (``[W]`` each, in the plan's send order, zero-padded to ``slots``)."""
+    rank's ``sent`` (``[W]`` each, in the plan's send order, zero-padded to ``slots``); with ``deferred``, read the
+    result after ``deferred.wait()``."""
     buffer = torch.zeros(runs.plan.slots, width, dtype=torch.float32, device=device)
     if sent:
         buffer = torch.cat([torch.stack([s.float() for s in sent]), buffer[len(sent):]])
     if torch.is_grad_enabled() and not buffer.requires_grad:
         buffer.requires_grad_()  # a rank that sends nothing differentiable must still join the backward
-    return runs.gather(buffer)
+    return runs.gather(buffer, deferred)
+
+
+def _summarise(runner: Runner, frags: list[Fragment], send: Sequence[int], sources: dict, outputs: dict[int, Any],
+               reads: dict[int, tuple[Any, Any]]) -> dict[int, Summary]:
+    """Step 1 (module docstring): the summaries of this rank's sending fragments ``send``; fills the outputs of
+    those that start their document and, for a correcting runner, the reads of those that continue."""
+    if runner.window:
+        return {i: Summary(end) for i, end in zip(send, runner.tails([frags[i] for i in send]))}
+    summaries: dict[int, Summary] = {}
+    first = [i for i in send if i not in sources or not runner.corrects]
+    if first:
+        outs, ends = runner.run([frags[i] for i in first], None, True)
+        for i, out, end in zip(first, outs, ends):
+            summaries[i] = Summary(end)
+            if i not in sources:
+                outputs[i] = out
+    movers = [i for i in send if i in sources]
+    if movers and runner.corrects:
+        out0, end0, trans, read = runner.partial([frags[i] for i in movers])
+        for j, i in enumerate(movers):
+            reads[i] = (out0[j], read[j])
+            summaries[i] = Summary(end0[j], trans[j])
+    elif movers:
+        for i, t in zip(movers, runner.transitions([frags[i] for i in movers])):
+            summaries[i] = Summary(summaries[i].end, t)
+    return summaries
 
 
 def run_fragments(runner: Runner, runs: LocalRuns, device: torch.device) -> Any:
     """One served call: see the module docstring. ``runs``: the forward's fragments (and, under CP, its plan)."""
     frags = list(runs.local)
     plan = runs.plan
-    rank = runs.rank
-    send = plan.send[rank] if plan is not None else ()
-    sources = plan.sources[rank] if plan is not None else {}
-    sending = set(send)
-    outputs: dict[int, Any] = {}
-    summaries: dict[int, Summary] = {}
-    reads: dict[int, tuple[Any, Any]] = {}
-    zero = [i for i in range(len(frags)) if i not in sources or (i in sending and not runner.window
-                                                                    and not runner.corrects)]
-    want_end = runner.final or (not runner.window and any(i in sending for i in zero))
-    outs, ends = runner.run([frags[i] for i in zero], None, want_end)
-    for j, i in enumerate(zero):
-        if i not in sources:
-            outputs[i] = outs[j]
-        if i in sending and not runner.window:
-            summaries[i] = Summary(ends[j])
     if plan is None:
-        return runner.assemble([outputs[i] for i in range(len(frags))], ends)
-    continuing = [i for i in sorted(sources)]
-    if runner.corrects and continuing:
-        out0, end0, trans, read = runner.partial([frags[i] for i in continuing])
-        for j, i in enumerate(continuing):
-            reads[i] = (out0[j], read[j])
-            if i in sending:
-                summaries[i] = Summary(end0[j], trans[j])
-    elif not runner.window:
-        movers = [i for i in continuing if i in sending]
-        for i, t in zip(movers, runner.transitions([frags[i] for i in movers])):
-            summaries[i] = Summary(summaries[i].end, t)
-    if runner.window:
-        for i, end in zip(send, runner.tails([frags[i] for i in send])):
-            summaries[i] = Summary(end)
+        outs, ends = runner.run(frags, None, runner.final)
+        return runner.assemble(outs, ends)
+    send, sources = plan.send[runs.rank], plan.sources[runs.rank]
+    outputs: dict[int, Any] = {}
+    reads: dict[int, tuple[Any, Any]] = {}
+    summaries = _summarise(runner, frags, send, sources, outputs, reads)
     algebra = runner.algebra
-    gathered = gather(runs, [algebra.pack(summaries[i]) for i in send], algebra.width, device)
+    deferred = Deferred()
+    gathered = gather(runs, [algebra.pack(summaries[i]) for i in send], algebra.width, device, deferred)
+    # While the summaries travel: what needs no incoming state.
+    rest = [i for i in range(len(frags)) if i not in sources and i not in outputs]
+    if rest:
+        outputs.update(zip(rest, runner.run([frags[i] for i in rest], None, False)[0]))
+    continuing = sorted(sources)
+    late = [i for i in continuing if i not in reads] if runner.corrects else []
+    if late:
+        out0, _, _, read = runner.partial([frags[i] for i in late])
+        reads.update(zip(late, zip(out0, read)))
+    deferred.wait()
     states = {i: algebra.fold([gathered[r * plan.slots + s] for r, s in sources[i]],
                               [plan.fragments[r][plan.send[r][s]].length for r, s in sources[i]])
               for i in continuing}

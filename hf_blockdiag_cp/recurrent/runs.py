@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from ..config import BlockDiagCPConfig
+from ..distributed.exchange import Deferred
 from ..planning.documents import doc_ids_from_flattening, doc_ids_from_position_ids
 from ..planning.fragments import Fragment, FragmentPlan, local_fragments, plan_fragments
 from ..runtime import step_runtime
@@ -71,10 +72,11 @@ class LocalRuns:
         """The step's rank agreement, once per step (shared with attention), before its first collective (CP > 1)."""
         step_runtime(self.context).agree(self.context, device)
 
-    def gather(self, buffer: torch.Tensor) -> torch.Tensor:
+    def gather(self, buffer: torch.Tensor, deferred: Deferred | None = None) -> torch.Tensor:
         """Every rank's ``buffer [slots, W]`` as ``[P * slots, W]`` (rank-major), differentiably: the step's one
-        recurrent collective per layer and direction, named :data:`GATHER` in errors."""
-        return step_runtime(self.context).all_gather(self.context, buffer, GATHER)
+        recurrent collective per layer and direction, named :data:`GATHER` in errors. With ``deferred``: started,
+        to be read after ``deferred.wait()``."""
+        return step_runtime(self.context).all_gather(self.context, buffer, GATHER, deferred)
 
     def guard(self, what: str) -> Any:
         """Under CP: a runner that raises between collectives marks the group failed and raises

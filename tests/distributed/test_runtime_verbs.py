@@ -123,3 +123,33 @@ def test_the_state_gather_names_itself_when_a_peer_fails():
                             0: ("CollectiveError", "refusing to start the recurrent state all-gather")})
     message = rows[0][2]
     assert "recurrent state all-gather on CP rank 0" in message and "K/V" not in message, message
+
+
+def test_a_deferred_gather_finishes_at_its_wait_and_counts_the_wait(tmp_path):
+    """``all_gather(..., deferred)`` returns once started; ``deferred.wait()`` finishes it (idempotent) and the
+    seconds waited are counted under the gather's name; its backward is the same reduce-scatter."""
+    import datetime
+
+    import torch.distributed as dist
+
+    from hf_blockdiag_cp.distributed.exchange import Deferred
+
+    if dist.is_initialized():
+        pytest.skip("a process group is already initialised in this process")
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1,
+                            timeout=datetime.timedelta(seconds=30))
+    try:
+        group = dist.new_group([0])
+        ctx = types.SimpleNamespace(group=group, cp_rank=0, cp_size=1, origin=None,
+                                    config=types.SimpleNamespace(collective_timeout_s=5.0))
+        runtime, deferred = StepRuntime(), Deferred()
+        buffer = torch.arange(6.0).view(2, 3).requires_grad_()
+        out = runtime.all_gather(ctx, buffer, what="recurrent state all-gather", deferred=deferred)
+        deferred.wait()
+        deferred.wait()
+        torch.testing.assert_close(out, buffer.detach())
+        assert list(runtime.comm.waited_s) == ["recurrent state all-gather"]
+        (out * 2).sum().backward()
+        torch.testing.assert_close(buffer.grad, torch.full((2, 3), 2.0))
+    finally:
+        dist.destroy_process_group()
