@@ -10,14 +10,14 @@ knows how to run fragments of one call (the model's function, the package's ops,
    *corrects*, outputs linear in the entering state ``o(S) = o(0) + read(S)``, gets both and its reads in one pass);
 2. under CP starts ONE fixed-shape all-gather of every rank's summaries (``slots`` per rank, :func:`gather`) and,
    while it is under way, runs everything that needs no incoming state: the other fragments that start their
-   document and, when the runner corrects, the continuing ones that do not send (their reads);
+   document and, when the runner corrects with cheap reads, the continuing ones that do not send (their reads);
 3. waits, folds each continuing fragment's entering state from the earlier fragments' summaries in document order
-   and either corrects its output or runs it from that state;
+   and either corrects its output (where its reads were taken) or runs it from that state;
 4. reassembles the rows and ties the gather into the output so that every rank runs the gather's backward
    (:func:`tie`, a zero that does not carry values: a NaN document stays in its document).
 
-Every fragment runs once when the runner corrects (a non-correcting runner reruns the continuing ones from their
-state, and a continuing one that sends also runs from zero for its summary's end).
+Every fragment runs once when the runner corrects (a non-correcting runner runs a continuing fragment that sends
+twice: from zero for its summary's end, and from its state).
 At CP = 1 the fragments are the documents (nothing continues): step 1 is the whole call.
 """
 
@@ -42,6 +42,10 @@ class Runner(Protocol):
     algebra: StateAlgebra
     #: outputs are linear in the entering state: continuing fragments run once, before the gather
     corrects: bool
+    #: (correcting runners) a fragment's reads cost less than running it again from its state (SSD / Mamba1 read
+    #: them off its inputs; the delta rule / KDA carry ``Dk`` more value columns): else a continuing fragment that
+    #: does not send runs once, from its state, after the gather
+    cheap_reads: bool
     #: the summary is the fragment's last inputs (:class:`~.algebra.WindowAlgebra`), not read off a run
     window: bool
     #: the call asks for its final state (CP = 1: each row's last fragment's end state)
@@ -149,7 +153,7 @@ def run_fragments(runner: Runner, runs: LocalRuns, device: torch.device) -> Any:
     if rest:
         outputs.update(zip(rest, runner.run([frags[i] for i in rest], None, False)[0]))
     continuing = sorted(sources)
-    late = [i for i in continuing if i not in reads] if runner.corrects else []
+    late = [i for i in continuing if i not in reads] if runner.corrects and runner.cheap_reads else []
     if late:
         out0, _, _, read = runner.partial([frags[i] for i in late])
         reads.update(zip(late, zip(out0, read)))
@@ -157,10 +161,10 @@ def run_fragments(runner: Runner, runs: LocalRuns, device: torch.device) -> Any:
     states = {i: algebra.fold([gathered[r * plan.slots + s] for r, s in sources[i]],
                               [plan.fragments[r][plan.send[r][s]].length for r, s in sources[i]])
               for i in continuing}
-    if runner.corrects:
-        for i in continuing:
+    for i in continuing:
+        if i in reads:
             outputs[i] = runner.correct(reads[i][0], reads[i][1], states[i])
-    elif continuing:
-        outs, _ = runner.run([frags[i] for i in continuing], [states[i] for i in continuing], False)
-        outputs.update(zip(continuing, outs))
+    rerun = [i for i in continuing if i not in reads]
+    if rerun:
+        outputs.update(zip(rerun, runner.run([frags[i] for i in rerun], [states[i] for i in rerun], False)[0]))
     return tie(runner.assemble([outputs[i] for i in range(len(frags))], None), gathered)
