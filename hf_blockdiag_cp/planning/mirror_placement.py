@@ -38,8 +38,13 @@ from .varlen import PlanError
 
 __all__ = ["split_points", "mirror_placement"]
 
-#: Bisection of the bound stops when it is known within this fraction of the mean work per rank.
-BOUND_TOLERANCE = 1e-4
+#: Split points within this fraction of the mean work per rank of the equal shares are kept as they are.
+GOOD_ENOUGH = 1e-3
+#: Positions per ``L`` tokens of the coarse search for the split points.
+COARSE_STEPS = 128
+#: The bisections of the bound stop when it is known within these fractions of the mean work per rank.
+COARSE_TOLERANCE = 1e-3
+FINE_TOLERANCE = 2e-4
 
 
 def _units(ids: np.ndarray, documents: tuple[np.ndarray, np.ndarray] | None) -> tuple[np.ndarray, np.ndarray,
@@ -68,49 +73,119 @@ def _order_work(length: np.ndarray, padding: np.ndarray, windows: Sequence[int |
     return work
 
 
-def _greedy(prefix: np.ndarray, cp_size: int, bound: float | None) -> tuple[list[int], np.ndarray] | None:
-    """Split points outside in: ``(x [P], work [P])``, each rank taking the most work within ``bound``, or (``bound``
-    ``None``) the work nearest an equal share of what is left; ``None`` when a rank cannot stay within ``bound``.
+def _works(prefix: np.ndarray, cp_size: int, points: Sequence[int]) -> np.ndarray:
+    """``[P]`` float64 work of each rank for the split points ``x [P + 1]`` (``x_P = x_{P-1} + L``)."""
+    x = np.asarray(points, dtype=np.int64)
+    local_len = (prefix.size - 1) // cp_size
+    end = x + (cp_size - np.arange(cp_size + 1)) * local_len  # e_r; rank r's back stretch is [e_{r+1}, e_r)
+    return (np.diff(prefix[x]) - np.diff(prefix[end])).astype(np.float64)
 
-    ``prefix``: ``[S + 1]`` prefix work of the order."""
-    full_len = prefix.size - 1
-    local_len = full_len // cp_size
-    points, work = [0], np.zeros(cp_size, dtype=np.float64)
-    x = 0
+
+def _equal_shares(prefix: np.ndarray, cp_size: int) -> list[int]:
+    """Split points ``x [P + 1]`` outside in, each rank taking the work nearest an equal share of what is left (over
+    all ``L + 1`` front lengths at once; on one document filling the row this is zigzag)."""
+    local_len = (prefix.size - 1) // cp_size
+    points = [0]
     for r in range(cp_size - 1):
+        x = points[-1]
         end = x + (cp_size - r) * local_len
+        left = prefix[end] - prefix[x]
         # take[a]: work of the front [x, x + a) plus the back [end - L + a, end), for every front length a.
-        take = prefix[x:x + local_len + 1] - prefix[end - local_len:end + 1] + (prefix[end] - prefix[x])
-        if bound is None:
-            a = int(np.argmin(np.abs(take - (prefix[end] - prefix[x]) / (cp_size - r))))
-        else:
-            a = int(np.argmax(np.where(take <= bound, take, -1)))
-            if take[a] > bound:
-                return None
-        work[r] = take[a]
-        x += a
-        points.append(x)
-    work[-1] = prefix[x + local_len] - prefix[x]
-    if bound is not None and work[-1] > bound:
+        take = prefix[x:x + local_len + 1] - prefix[end - local_len:end + 1] + left
+        points.append(x + int(np.argmin(np.abs(take - left / (cp_size - r)))))
+    points.append(points[-1] + local_len)
+    return points
+
+
+def _window_min(values: np.ndarray, first: int, count: int, width: int) -> np.ndarray:
+    """``[count]``: element ``j`` the least of ``values[first + j : first + j + width]`` (``inf`` past its ends)."""
+    size = values.size
+    if width >= size:  # every window holds a prefix of ``values``, a suffix, all or none
+        head = np.minimum.accumulate(values)
+        tail = np.minimum.accumulate(values[::-1])[::-1]
+        a = first + np.arange(count)
+        b = a + width - 1
+        least = np.where(a <= 0, head[np.clip(b, 0, size - 1)], tail[np.clip(a, 0, size - 1)])
+        return np.where((b < 0) | (a >= size), np.inf, least)
+    # Van Herk / Gil-Werman: every window spans at most two blocks of ``width``; the least of its part in each is a
+    # running minimum from the block's right end and from its left end.
+    padded = np.full(-(-(count + width - 1) // width) * width, np.inf)
+    lo, hi = max(first, 0), min(first + count + width - 1, size)
+    if hi > lo:
+        padded[lo - first:hi - first] = values[lo:hi]
+    blocks = padded.reshape(-1, width)
+    from_left = np.minimum.accumulate(blocks, axis=1).reshape(-1)
+    from_right = np.minimum.accumulate(blocks[:, ::-1], axis=1)[:, ::-1].reshape(-1)
+    j = np.arange(count)
+    return np.minimum(from_right[j], from_left[j + width - 1])
+
+
+def _lattice_path(prefix: np.ndarray, cp_size: int, bound: float, lo: Sequence[int], count: Sequence[int],
+                  step: int) -> list[int] | None:
+    """Split points ``x [P + 1]`` with every rank's work within ``bound``, each ``x_r`` one of ``lo[r] + k * step``
+    (``k < count[r]``, ``lo[r + 1] - lo[r]`` a multiple of ``step``); ``None`` when there are none.
+
+    Rank ``r`` does ``V_r(x_r) - V_{r+1}(x_{r+1})`` with ``V_r(x)`` the work of the window ``[x, x + (P - r) L)``, so
+    ``x_{r+1}`` is reachable when the least ``V_r`` of the reachable ``x_r`` in ``[x_{r+1} - L, x_{r+1}]`` is within
+    ``bound + V_{r+1}(x_{r+1})``: one sliding minimum per rank, then a walk back from the innermost rank."""
+    local_len = (prefix.size - 1) // cp_size
+    reach, windows = [np.ones(count[0], dtype=bool)], []
+    for r in range(cp_size - 1):
+        x = lo[r] + step * np.arange(count[r])
+        windows.append(np.where(reach[r], prefix[x + (cp_size - r) * local_len] - prefix[x], np.inf))
+        nxt = lo[r + 1] + step * np.arange(count[r + 1])
+        least = _window_min(windows[r], -((local_len + lo[r] - lo[r + 1]) // step), count[r + 1],
+                            local_len // step + 1)
+        reach.append(least <= bound + (prefix[nxt + (cp_size - r - 1) * local_len] - prefix[nxt]))
+    x = lo[-1] + step * np.arange(count[-1])
+    last = np.flatnonzero(reach[-1] & (prefix[x + local_len] - prefix[x] <= bound))
+    if not last.size:
         return None
-    return points, work
+    points = [int(x[last[0]]) + local_len, int(x[last[0]])]
+    for r in range(cp_size - 2, -1, -1):
+        after = points[-1]
+        x = lo[r] + step * np.arange(count[r])
+        inner = prefix[after + (cp_size - r - 1) * local_len] - prefix[after]
+        fits = (x >= after - local_len) & (x <= after) & (windows[r] - inner <= bound)
+        points.append(int(x[np.flatnonzero(fits)[0]]))
+    return points[::-1]
 
 
-def split_points(prefix: np.ndarray, cp_size: int, tolerance: float = BOUND_TOLERANCE) -> list[int]:
-    """The split points ``x [P]`` (``x_0 = 0``) of least most-loaded rank found for the order of prefix work
-    ``prefix [S + 1]``: the equal-share plan, then the bound bisected between the mean and the best maximum."""
-    mean = float(prefix[-1]) / cp_size
-    best = _greedy(prefix, cp_size, None)
-    assert best is not None  # without a bound every rank takes some split
-    low, high = mean, float(best[1].max())
-    while high - low > tolerance * mean:
-        bound = (low + high) / 2
-        found = _greedy(prefix, cp_size, bound)
+def _bisect(prefix: np.ndarray, cp_size: int, lattice: tuple[list[int], list[int], int], low: float,
+            best: tuple[list[int], float], tolerance: float) -> tuple[tuple[list[int], float], float]:
+    """The best split points ``(x, most work)`` on ``lattice = (lo, count, step)`` (see :func:`_lattice_path`), and
+    the highest bound found out of reach: the bound bisected between ``low`` and the best found until known within
+    ``tolerance``."""
+    while best[1] - low > tolerance:
+        bound = (low + best[1]) / 2
+        found = _lattice_path(prefix, cp_size, bound, *lattice)
         if found is None:
             low = bound
-            continue
-        best, high = found, float(found[1].max())
-    return best[0]
+        else:
+            best = (found, float(_works(prefix, cp_size, found).max()))
+    return best, low
+
+
+def split_points(prefix: np.ndarray, cp_size: int) -> list[int]:
+    """Split points ``x [P + 1]`` (``x_0 = 0``, ``x_P = x_{P-1} + L``) of least most-loaded rank found for the order
+    of prefix work ``prefix [S + 1]``: the equal shares if already within :data:`GOOD_ENOUGH` of the mean, else the
+    best on a lattice of :data:`COARSE_STEPS` positions per ``L`` tokens, then the best within two lattice steps of
+    it at every token."""
+    local_len = (prefix.size - 1) // cp_size
+    mean = float(prefix[-1]) / cp_size
+    shares = _equal_shares(prefix, cp_size)
+    best = (shares, float(_works(prefix, cp_size, shares).max()))
+    if best[1] <= mean * (1 + GOOD_ENOUGH):
+        return shares
+    step = max(1, local_len // COARSE_STEPS)
+    coarse = ([0] * cp_size, [r * local_len // step + 1 for r in range(cp_size)], step)
+    best, low = _bisect(prefix, cp_size, coarse, mean, best, COARSE_TOLERANCE * mean)
+    near = [max(0, x - 2 * step) for x in best[0][:-1]]
+    fine = (near, [min(r * local_len, x + 2 * step) - a + 1 for r, (x, a) in enumerate(zip(best[0], near))], 1)
+    # Token by token near the coarse points gains a fraction of a percent: searched from a little below what the
+    # lattice could not reach.
+    low = max(mean, low - 4 * COARSE_TOLERANCE * mean)
+    return _bisect(prefix, cp_size, fine, low, best, FINE_TOLERANCE * mean)[0][0]
 
 
 def _runs(start: np.ndarray, length: np.ndarray, order: np.ndarray, points: Sequence[int], cp_size: int
@@ -119,12 +194,10 @@ def _runs(start: np.ndarray, length: np.ndarray, order: np.ndarray, points: Sequ
     at unit boundaries and mapped back to row positions (merged where one continues the previous on its rank)."""
     full_len = int(length.sum())
     local_len = full_len // cp_size
-    stretches = []  # (start in the order, end, rank)
+    stretches = []  # (start in the order, end, rank): rank r's front, then its back [e_{r+1}, e_r)
     for r in range(cp_size):
-        x0, x1 = points[r], points[r + 1] if r + 1 < cp_size else points[r] + local_len
-        stretches.append((x0, x1, r))
-        if r + 1 < cp_size:
-            stretches.append((x1 + (cp_size - r - 1) * local_len, x0 + (cp_size - r) * local_len, r))
+        stretches.append((points[r], points[r + 1], r))
+        stretches.append((points[r + 1] + (cp_size - r - 1) * local_len, points[r] + (cp_size - r) * local_len, r))
     stretches.sort()
     bound = np.asarray([a for a, b, _ in stretches if b > a], dtype=np.int64)
     owner = np.asarray([r for a, b, r in stretches if b > a], dtype=np.int64)
@@ -186,4 +259,5 @@ def mirror_placement(doc_ids_row: torch.Tensor, cp_size: int, *, windows: Sequen
         if len(fronts) != cp_size - 1 or any(not 0 <= int(a) <= local_len for a in fronts):
             raise ValueError(f"fronts={list(fronts)!r} must be {cp_size - 1} lengths in [0, {local_len}]")
         points = np.concatenate([[0], np.cumsum(np.asarray(fronts, dtype=np.int64))]).tolist()
+        points.append(points[-1] + local_len)
     return Placement.from_runs("mirror", _runs(start, length, order, points, cp_size), cp_size, local_len)
