@@ -127,24 +127,33 @@ def _lattice_path(prefix: np.ndarray, cp_size: int, bound: float, lo: Sequence[i
 
     Rank ``r`` does ``V_r(x_r) - V_{r+1}(x_{r+1})`` with ``V_r(x)`` the work of the window ``[x, x + (P - r) L)``, so
     ``x_{r+1}`` is reachable when the least ``V_r`` of the reachable ``x_r`` in ``[x_{r+1} - L, x_{r+1}]`` is within
-    ``bound + V_{r+1}(x_{r+1})``: one sliding minimum per rank, then a walk back from the innermost rank."""
+    ``bound + V_{r+1}(x_{r+1})``: one sliding minimum per rank, then a walk back from the innermost rank. Each rank
+    looks only at the positions within ``L`` after the previous rank's reachable ones (near a tight bound, few)."""
     local_len = (prefix.size - 1) // cp_size
-    reach, windows = [np.ones(count[0], dtype=bool)], []
+    seen = [(lo[0], np.ones(count[0], dtype=bool))]  # per rank: (first position looked at, reachable)
+    windows = []
     for r in range(cp_size - 1):
-        x = lo[r] + step * np.arange(count[r])
-        windows.append(np.where(reach[r], prefix[x + (cp_size - r) * local_len] - prefix[x], np.inf))
-        nxt = lo[r + 1] + step * np.arange(count[r + 1])
-        least = _window_min(windows[r], -((local_len + lo[r] - lo[r + 1]) // step), count[r + 1],
-                            local_len // step + 1)
-        reach.append(least <= bound + (prefix[nxt + (cp_size - r - 1) * local_len] - prefix[nxt]))
-    x = lo[-1] + step * np.arange(count[-1])
-    last = np.flatnonzero(reach[-1] & (prefix[x + local_len] - prefix[x] <= bound))
+        first, reach = seen[r]
+        x = first + step * np.arange(reach.size)
+        windows.append(np.where(reach, prefix[x + (cp_size - r) * local_len] - prefix[x], np.inf))
+        held = np.flatnonzero(reach)
+        k0 = max(0, -(-(int(x[held[0]]) - lo[r + 1]) // step))
+        k1 = min(count[r + 1] - 1, (int(x[held[-1]]) + local_len - lo[r + 1]) // step)
+        nxt = lo[r + 1] + step * np.arange(k0, k1 + 1)
+        least = _window_min(windows[r], -((local_len + first - int(nxt[0])) // step), nxt.size, local_len // step + 1)
+        reach = least <= bound + (prefix[nxt + (cp_size - r - 1) * local_len] - prefix[nxt])
+        if not reach.any():
+            return None
+        seen.append((int(nxt[0]), reach))
+    first, reach = seen[-1]
+    x = first + step * np.arange(reach.size)
+    last = np.flatnonzero(reach & (prefix[x + local_len] - prefix[x] <= bound))
     if not last.size:
         return None
     points = [int(x[last[0]]) + local_len, int(x[last[0]])]
     for r in range(cp_size - 2, -1, -1):
         after = points[-1]
-        x = lo[r] + step * np.arange(count[r])
+        x = seen[r][0] + step * np.arange(seen[r][1].size)
         inner = prefix[after + (cp_size - r - 1) * local_len] - prefix[after]
         fits = (x >= after - local_len) & (x <= after) & (windows[r] - inner <= bound)
         points.append(int(x[np.flatnonzero(fits)[0]]))
