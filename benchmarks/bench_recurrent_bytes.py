@@ -207,7 +207,7 @@ REAL = (
 def arithmetic(full_len: int, p: int, seeds: int) -> None:
     local = full_len // p
     slots: dict[str, list[int]] = {}
-    for kind in ("contiguous", "zigzag", "balanced"):
+    for kind in ("contiguous", "zigzag", "balanced", "mirror"):
         slots[kind] = []
         for seed in range(seeds):
             ids = row_ids(lognormal_lengths(full_len, full_len / 8, torch.Generator().manual_seed(seed)))
