@@ -4,6 +4,7 @@ rank, zigzag where zigzag is right, and attention balanced within 5% on the benc
 from __future__ import annotations
 
 import importlib.util
+import itertools
 from pathlib import Path
 
 import numpy as np
@@ -17,7 +18,7 @@ from hf_blockdiag_cp.planning import PlanError
 from hf_blockdiag_cp.planning.documents import document_runs
 from hf_blockdiag_cp.planning.fragments import plan_fragments
 from hf_blockdiag_cp.planning.hybrid_placement import choose_placement
-from hf_blockdiag_cp.planning.mirror_placement import _order_work, _units, _works, mirror_placement
+from hf_blockdiag_cp.planning.mirror_placement import _order_work, _units, _window_min, _works, mirror_placement
 from hf_blockdiag_cp.planning.placement import make_placement, rank_work, zigzag_placement
 from hf_blockdiag_cp.planning.recurrent_cost import RecurrentShape, summary_slots
 
@@ -80,6 +81,41 @@ def test_its_work_model_is_rank_work(drawn, windows, data):
     points.append(points[-1] + local_len)
     expected = rank_work(row, placement, windows).numpy() * len(windows)
     np.testing.assert_allclose(_works(prefix, cp_size, points), expected, rtol=1e-12)
+
+
+def _best_of_every_split(row: torch.Tensor, cp_size: int) -> float:
+    """The least most-loaded rank's work over every choice of front lengths of the mirror placement's order."""
+    local_len = row.numel() // cp_size
+    return min(float(rank_work(row, mirror_placement(row, cp_size, fronts=list(fronts))).max())
+               for fronts in itertools.product(range(local_len + 1), repeat=cp_size - 1))
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.integers(1, 5).flatmap(lambda p: st.tuples(st.just(p), st.integers(1, 6))), st.data())
+def test_its_split_points_are_the_best_of_every_split(sizes, data):
+    cp_size, local_len = sizes
+    full_len = cp_size * local_len
+    lengths = data.draw(st.lists(st.integers(1, full_len), min_size=1, max_size=6), label="lengths")
+    row = torch.tensor(([d + 1 for d, n in enumerate(lengths) for _ in range(n)] + [0] * full_len)[:full_len])
+    assert float(rank_work(row, mirror_placement(row, cp_size)).max()) == _best_of_every_split(row, cp_size)
+
+
+@pytest.mark.parametrize("runs,cp_size", [([(1, 8), (0, 4)], 3), ([(1, 11), (2, 2), (3, 3)], 4),
+                                          ([(1, 4), (2, 2), (3, 18)], 4), ([(1, 8), (2, 4), (0, 8)], 4)])
+def test_its_search_beats_equal_shares(runs, cp_size):
+    """Rows (``(id, length)`` runs) where giving each rank, outside in, the work nearest an equal share of what is
+    left is not the best split."""
+    row = torch.tensor([doc for doc, n in runs for _ in range(n)])
+    assert float(rank_work(row, mirror_placement(row, cp_size)).max()) == _best_of_every_split(row, cp_size)
+
+
+def test_window_minimum_against_a_loop():
+    gen = np.random.default_rng(0)
+    for _ in range(300):
+        values = gen.normal(size=int(gen.integers(1, 40)))
+        first, count, width = int(gen.integers(-45, 45)), int(gen.integers(1, 40)), int(gen.integers(1, 50))
+        expected = [min(values[max(first + j, 0):max(first + j + width, 0)], default=np.inf) for j in range(count)]
+        np.testing.assert_array_equal(_window_min(values, first, count, width), expected)
 
 
 def test_half_fronts_in_row_order_and_one_document_are_zigzag():
