@@ -16,9 +16,11 @@ off the fragment plan of a lognormal row (mean S/8) under each placement.
     python benchmarks/bench_recurrent_bytes.py --no-measure  # arithmetic only
 
 Part 3 (``--placements``, arithmetic): attention imbalance vs recurrent bytes per layer per rank of every placement
-(balanced, the hybrid-aware ``hybrid+k`` of ``planning/hybrid_placement.py``, contiguous, zigzag, and what the cost
-model chooses) on the rows of ``bench_balance.py`` (lognormal mean S/8 and S/32, heavy-tailed mix), at 128K / 8 and
-1M / 64 ranks with Qwen3-Next-80B-A3B and Nemotron-H-8B sizes; ``--plot`` saves the scatter if matplotlib imports.
+(balanced, the hybrid-aware ``hybrid+k`` of ``planning/hybrid_placement.py``, contiguous, zigzag, the mirror placement
+of ``planning/mirror_placement.py``, and what the cost model chooses) on the rows of ``bench_balance.py`` (lognormal
+mean S/8 and S/32, heavy-tailed mix), at 128K / 8 and 1M / 64 ranks with Qwen3-Next-80B-A3B and Nemotron-H-8B sizes,
+and the host time of the choice (all candidates) and of the mirror placement alone; ``--plot`` saves the scatter if
+matplotlib imports.
 
     python benchmarks/bench_recurrent_bytes.py --no-measure --placements --seeds 3 --plot placements.png
 """
@@ -29,7 +31,9 @@ import argparse
 import datetime
 import os
 import socket
+import statistics
 import sys
+import time
 import warnings
 
 import torch
@@ -203,7 +207,7 @@ REAL = (
 def arithmetic(full_len: int, p: int, seeds: int) -> None:
     local = full_len // p
     slots: dict[str, list[int]] = {}
-    for kind in ("contiguous", "zigzag", "balanced"):
+    for kind in ("contiguous", "zigzag", "balanced", "mirror"):
         slots[kind] = []
         for seed in range(seeds):
             ids = row_ids(lognormal_lengths(full_len, full_len / 8, torch.Generator().manual_seed(seed)))
@@ -251,6 +255,7 @@ def placements(seeds: int, plot: str | None) -> None:
     from bench_balance import make_row
 
     from hf_blockdiag_cp.planning.hybrid_placement import choose_placement
+    from hf_blockdiag_cp.planning.mirror_placement import mirror_placement
 
     print("\n## Attention imbalance vs recurrent state bytes per placement (per recurrent layer per rank, forward; "
           f"bytes = (P - 1) * slots * W * 4; mean / max over {seeds} seeds)\n")
@@ -258,13 +263,19 @@ def placements(seeds: int, plot: str | None) -> None:
           "modelled ms (mean) | chosen |")
     print("|---|---|---|---|---|---|---|---|---|")
     points = []
+    host: dict[tuple[int, int], list[tuple[float, float]]] = {}  # (S, P): (choice, mirror alone) seconds
     for name, shape in _shapes():
         for full_len, p in ((128 * 1024, 8), (1024 * 1024, 64)):
             for rows in ("lognormal_8", "lognormal_32", "heavy_tail"):
                 found: dict[str, list] = {}
                 chosen: dict[str, int] = {}
                 for seed in range(seeds):
-                    choice = choose_placement(make_row(rows, full_len, seed), p, shape)
+                    row = make_row(rows, full_len, seed)
+                    start = time.perf_counter()
+                    choice = choose_placement(row, p, shape)
+                    middle = time.perf_counter()
+                    mirror_placement(row, p)
+                    host.setdefault((full_len, p), []).append((middle - start, time.perf_counter() - middle))
                     chosen[choice.cost.name] = chosen.get(choice.cost.name, 0) + 1
                     for c in choice.table:
                         found.setdefault(c.name, []).append(c)
@@ -277,6 +288,14 @@ def placements(seeds: int, plot: str | None) -> None:
                     print(f"| {name} | {full_len // 1024}K / {p} | {rows} | {kind} | {sum(imb) / len(imb):.3f} / "
                           f"{max(imb):.3f} | {sum(slots) / len(slots):.1f} / {max(slots)} | {mib:.1f} | {ms:.0f} | "
                           f"{chosen.get(kind, 0)}/{seeds} |")
+    print("\nHost time per step (this machine, numpy on one core; median / max over every row above): the choice, "
+          "every candidate included, and the mirror placement alone\n")
+    print("| S / P | choice (ms) | mirror (ms) |")
+    print("|---|---|---|")
+    for (full_len, p), times in host.items():
+        choice_ms, mirror_ms = ([t[i] * 1e3 for t in times] for i in (0, 1))
+        print(f"| {full_len // 1024}K / {p} | {statistics.median(choice_ms):.0f} / {max(choice_ms):.0f} | "
+              f"{statistics.median(mirror_ms):.1f} / {max(mirror_ms):.1f} |")
     if plot:
         _plot(points, plot)
 

@@ -52,7 +52,7 @@ KV_EXCHANGES: tuple[str, ...] = ("auto", "allgather", "halo", "a2a")
 #: ``"fla"`` / ``"mamba_ssm"`` their GPU adapters, ``"auto"`` picks per device and mixer kind.
 RECURRENT_BACKENDS: tuple[str, ...] = ("auto", "model", "torch", "fla", "mamba_ssm")
 #: Which row positions each CP rank holds (see :mod:`hf_blockdiag_cp.planning.placement`).
-PLACEMENTS: tuple[str, ...] = ("balanced", "contiguous", "zigzag")
+PLACEMENTS: tuple[str, ...] = ("balanced", "contiguous", "zigzag", "mirror")
 #: How recurrent layers (scans, causal convolutions) run under CP: ``"state"`` passes fragment summaries between the
 #: sequence shards (:mod:`hf_blockdiag_cp.recurrent.driver`), ``"heads"`` splits their heads over the CP group
 #: and runs whole rows (:mod:`hf_blockdiag_cp.recurrent.head_parallel`).
@@ -177,7 +177,9 @@ class BlockDiagCPConfig:
         placement: which positions of a packed row each CP rank holds, one of :data:`PLACEMENTS`:
             ``"balanced"`` balances causal work over ranks splitting as few documents as possible,
             ``"contiguous"`` gives rank ``r`` the ``r``-th slice, ``"zigzag"`` chunks ``r`` and
-            ``2P-1-r`` of ``2P``. Env: ``HF_BLOCKDIAG_CP_PLACEMENT``.
+            ``2P-1-r`` of ``2P``, ``"mirror"`` zigzag's two stretches per rank with split points chosen to balance
+            work, over the documents lightest per token first (at most two recurrent state summaries per rank).
+            Env: ``HF_BLOCKDIAG_CP_PLACEMENT``.
         balance_tolerance: ``"balanced"`` stops splitting documents once the most loaded rank is
             within this fraction of the mean (smaller: better balance, more K/V moved).
             Env: ``HF_BLOCKDIAG_CP_BALANCE_TOLERANCE``.

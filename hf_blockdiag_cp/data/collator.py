@@ -51,7 +51,8 @@ class PackingCollator:
             document, positions continuing), ``"truncate"``, or ``"error"``.
         config: the :class:`BlockDiagCPConfig` of every context built.
         placement: which row positions each CP rank holds: ``"balanced"`` (balances attention work,
-            splitting as few documents as possible), ``"contiguous"`` or ``"zigzag"``; default
+            splitting as few documents as possible), ``"contiguous"``, ``"zigzag"`` or ``"mirror"`` (zigzag with
+            split points that balance work: at most two recurrent state summaries per rank); default
             ``config.placement`` (``HF_BLOCKDIAG_CP_PLACEMENT``, else ``"balanced"``). Left unset with the
             ``model_config`` of a hybrid model (recurrent layers), the placement is chosen per step by
             :func:`hf_blockdiag_cp.planning.hybrid_placement.choose_placement` (docs/placement.md).

@@ -12,7 +12,8 @@ docs/layouts.md). :func:`hybrid_placement` balances attention with documents cut
 recurrent layers of summary width ``W`` (:mod:`.recurrent_cost`); ``C`` and ``F`` are the layout cost model's
 (:mod:`.layout`: 400 TFLOP/s, ``BlockDiagCPConfig.layout_flops_per_byte``); 3.5 = forward plus a 2.5x backward,
 2 = the summaries' forward all-gather plus their gradients' reduce-scatter. The candidates: balanced, hybrid at
-each bound of :data:`HYBRID_SLOTS` (``hybrid+k``), contiguous, zigzag; ties go to the earlier one (balanced first).
+each bound of :data:`HYBRID_SLOTS` (``hybrid+k``), contiguous, zigzag, mirror (:mod:`.mirror_placement`: zigzag
+with free split points, at most two summaries per rank); ties go to the earlier one (balanced first).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import torch
 from .balance import Item, improve, make_item, piece_work, spill
 from .documents import document_spans
 from .layout import BACKWARD_FACTOR, CostModel
+from .mirror_placement import mirror_placement
 from .placement import Placement, _placement_of_ranges, make_placement, rank_work
 from .recurrent_cost import RecurrentShape, recurrent_bytes, summary_slots
 
@@ -304,8 +306,8 @@ def choose_placement(doc_ids_row: torch.Tensor, cp_size: int, shape: RecurrentSh
                      windows: Sequence[int | None] = (None,), model: CostModel | None = None) -> PlacementChoice:
     """The cheapest placement of the row ``doc_ids_row [S]`` for a hybrid model of ``shape``: balanced (at
     ``tolerance``), hybrid at each bound of :data:`HYBRID_SLOTS`, contiguous, zigzag (when ``S`` is divisible by
-    ``2P``), by :func:`placement_cost`; ties go to the earlier candidate. The same inputs give the same choice on
-    every rank."""
+    ``2P``), mirror, by :func:`placement_cost`; ties go to the earlier candidate. The same inputs give the same
+    choice on every rank."""
     row = doc_ids_row.to(torch.int64).flatten()
     candidates: list[tuple[str, Placement]] = [
         ("balanced", make_placement(row, cp_size, "balanced", tolerance=tolerance, windows=windows))]
@@ -315,6 +317,7 @@ def choose_placement(doc_ids_row: torch.Tensor, cp_size: int, shape: RecurrentSh
     candidates.append(("contiguous", make_placement(row, cp_size, "contiguous")))
     if row.numel() % (2 * cp_size) == 0:
         candidates.append(("zigzag", make_placement(row, cp_size, "zigzag")))
+    candidates.append(("mirror", mirror_placement(row, cp_size, windows=windows)))
     table = tuple(placement_cost(name, row, placement, shape, windows=windows, model=model)
                   for name, placement in candidates)
     best = min(range(len(table)), key=lambda i: (table[i].cost_s, i))

@@ -15,6 +15,8 @@ Kinds:
 - ``balanced``: documents are placed whole where they fit, and only documents too long or too
   heavy for one rank are split, head-tail over the fewest ranks that balance them
   (:func:`balanced_placement`).
+- ``mirror``: zigzag's two stretches per rank over the documents laid lightest per token first, with split
+  points chosen to balance work (:mod:`.mirror_placement`): at most two recurrent state summaries per rank.
 
 Work model: a query at in-document offset ``t`` attends ``t + 1`` keys (``min(t + 1, w)`` under a
 sliding window ``w``); a rank's work is the sum over its queries, averaged over the model's windows.
@@ -407,4 +409,8 @@ def make_placement(doc_ids_row: torch.Tensor, cp_size: int, kind: str, *, tolera
         return zigzag_placement(full_len, cp_size)
     if kind == "balanced":
         return balanced_placement(doc_ids_row, cp_size, tolerance=tolerance, windows=windows, documents=documents)
+    if kind == "mirror":
+        from .mirror_placement import mirror_placement  # it builds on this module's Placement
+
+        return mirror_placement(doc_ids_row, cp_size, windows=windows, documents=documents)
     raise ValueError(f"placement={kind!r} is not one of {', '.join(PLACEMENTS)}")

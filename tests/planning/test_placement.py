@@ -37,7 +37,7 @@ def row_of(lengths: list[int], pad: int) -> list[int]:
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(data=st.data(), cp_size=st.integers(1, 8), kind=st.sampled_from(["contiguous", "zigzag", "balanced"]),
+@given(data=st.data(), cp_size=st.integers(1, 8), kind=st.sampled_from(["contiguous", "zigzag", "balanced", "mirror"]),
        window=st.sampled_from([None, 1, 3, 8]), strategy=st.sampled_from(["auto", "a2a", "allgather"]))
 def test_every_placement_is_served_exactly(data, cp_size, kind, window, strategy):
     per_rank = data.draw(st.integers(1, 12), label="per_rank") * (2 if kind == "zigzag" else 1)

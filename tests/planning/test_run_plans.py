@@ -27,7 +27,7 @@ from .reference_plans import (
     reference_transfer,
 )
 
-PLACEMENT_KINDS = ("contiguous", "zigzag", "balanced")
+PLACEMENT_KINDS = ("contiguous", "zigzag", "balanced", "mirror")
 
 
 @st.composite
