@@ -38,7 +38,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from .placement import Placement, PlacementRuns
+from .placement_table import Placement, PlacementRuns
 from .varlen import PlanError
 
 __all__ = ["mirror_placement", "split_points"]
