@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
-import importlib.util
 import math
 import random
-from pathlib import Path
 
 import pytest
 import torch
@@ -14,18 +12,14 @@ from hypothesis import strategies as st
 
 from hf_blockdiag_cp import PackingCollator
 from hf_blockdiag_cp.data.packing import Piece, best_fit_decreasing, pack_pieces, split_overflow
+from tests.benchmark_module import load_benchmark
 from tests.layouts import unshard
 
 FAST = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 
 def _load_bench():
-    """benchmarks/bench_packing.py, home of the greedy baselines best-fit-decreasing is compared with."""
-    path = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_packing.py"
-    spec = importlib.util.spec_from_file_location("bench_packing", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("bench_packing")
 
 
 bench = _load_bench()

@@ -48,14 +48,12 @@ def test_guard_passes_collective_errors_through_and_builds_the_timeout_once():
     assert first.total_seconds() == 5.0 and runtime.collective_timeout(ctx) is first
 
 
-def test_the_state_gathers_backward_names_itself_on_a_group_that_broke_after_the_forward(tmp_path):
-    """A one-process gloo group: the forward all-gather runs; the group is then marked broken (as a peer's failure
-    would), and the backward refuses before starting, naming the recurrent state gradient exchange (not K/V)."""
+@pytest.fixture
+def one_process_group(tmp_path):
+    """A one-process gloo group and a context on it (collective timeout 5 s)."""
     import datetime
 
     import torch.distributed as dist
-
-    from hf_blockdiag_cp.distributed.exchange import mark_broken
 
     if dist.is_initialized():
         pytest.skip("a process group is already initialised in this process")
@@ -63,16 +61,24 @@ def test_the_state_gathers_backward_names_itself_on_a_group_that_broke_after_the
                             timeout=datetime.timedelta(seconds=30))
     try:
         group = dist.new_group([0])
-        ctx = types.SimpleNamespace(group=group, cp_rank=0, cp_size=1, origin=None,
+        yield types.SimpleNamespace(group=group, cp_rank=0, cp_size=1, origin=None,
                                     config=types.SimpleNamespace(collective_timeout_s=5.0))
-        buffer = torch.ones(2, 3, requires_grad=True)
-        out = StepRuntime().all_gather(ctx, buffer, what="recurrent state all-gather")
-        torch.testing.assert_close(out, buffer.detach())
-        mark_broken(group, "the test's injected failure")
-        with pytest.raises(CollectiveError, match="refusing to start the recurrent state gradient"):
-            out.sum().backward()
     finally:
         dist.destroy_process_group()
+
+
+def test_the_state_gathers_backward_names_itself_on_a_group_that_broke_after_the_forward(one_process_group):
+    """A one-process gloo group: the forward all-gather runs; the group is then marked broken (as a peer's failure
+    would), and the backward refuses before starting, naming the recurrent state gradient exchange (not K/V)."""
+    from hf_blockdiag_cp.distributed.exchange import mark_broken
+
+    ctx = one_process_group
+    buffer = torch.ones(2, 3, requires_grad=True)
+    out = StepRuntime().all_gather(ctx, buffer, what="recurrent state all-gather")
+    torch.testing.assert_close(out, buffer.detach())
+    mark_broken(ctx.group, "the test's injected failure")
+    with pytest.raises(CollectiveError, match="refusing to start the recurrent state gradient"):
+        out.sum().backward()
 
 
 def _one_step_agreements(rank: int, world: int) -> dict:
@@ -125,31 +131,17 @@ def test_the_state_gather_names_itself_when_a_peer_fails():
     assert "recurrent state all-gather on CP rank 0" in message and "K/V" not in message, message
 
 
-def test_a_deferred_gather_finishes_at_its_wait_and_counts_the_wait(tmp_path):
+def test_a_deferred_gather_finishes_at_its_wait_and_counts_the_wait(one_process_group):
     """``all_gather(..., deferred)`` returns once started; ``deferred.wait()`` finishes it (idempotent) and the
     seconds waited are counted under the gather's name; its backward is the same reduce-scatter."""
-    import datetime
-
-    import torch.distributed as dist
-
     from hf_blockdiag_cp.distributed.exchange import Deferred
 
-    if dist.is_initialized():
-        pytest.skip("a process group is already initialised in this process")
-    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1,
-                            timeout=datetime.timedelta(seconds=30))
-    try:
-        group = dist.new_group([0])
-        ctx = types.SimpleNamespace(group=group, cp_rank=0, cp_size=1, origin=None,
-                                    config=types.SimpleNamespace(collective_timeout_s=5.0))
-        runtime, deferred = StepRuntime(), Deferred()
-        buffer = torch.arange(6.0).view(2, 3).requires_grad_()
-        out = runtime.all_gather(ctx, buffer, what="recurrent state all-gather", deferred=deferred)
-        deferred.wait()
-        deferred.wait()
-        torch.testing.assert_close(out, buffer.detach())
-        assert list(runtime.comm.waited_s) == ["recurrent state all-gather"]
-        (out * 2).sum().backward()
-        torch.testing.assert_close(buffer.grad, torch.full((2, 3), 2.0))
-    finally:
-        dist.destroy_process_group()
+    runtime, deferred = StepRuntime(), Deferred()
+    buffer = torch.arange(6.0).view(2, 3).requires_grad_()
+    out = runtime.all_gather(one_process_group, buffer, what="recurrent state all-gather", deferred=deferred)
+    deferred.wait()
+    deferred.wait()
+    torch.testing.assert_close(out, buffer.detach())
+    assert list(runtime.comm.waited_s) == ["recurrent state all-gather"]
+    (out * 2).sum().backward()
+    torch.testing.assert_close(buffer.grad, torch.full((2, 3), 2.0))

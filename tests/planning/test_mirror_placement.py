@@ -3,9 +3,7 @@ rank, zigzag where zigzag is right, and attention balanced within 5% on the benc
 
 from __future__ import annotations
 
-import importlib.util
 import itertools
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -21,17 +19,14 @@ from hf_blockdiag_cp.planning.hybrid_placement import choose_placement
 from hf_blockdiag_cp.planning.mirror_placement import _order_work, _units, _window_min, _works, mirror_placement
 from hf_blockdiag_cp.planning.placement import make_placement, rank_work, zigzag_placement
 from hf_blockdiag_cp.planning.recurrent_cost import RecurrentShape, summary_slots
+from tests.benchmark_module import load_benchmark
 
 #: Qwen3-Next-80B-A3B: 36 gated-delta-rule layers of summary width W, 12 attention layers of 16 heads of 256.
 QWEN3_NEXT = RecurrentShape("gdn", 36, (2 * 16 * 128 + 32 * 128) * 3 + 32 * 128 * 128 * 2, 12, 16, 256, 256)
 
 
 def _bench():
-    path = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_balance.py"
-    spec = importlib.util.spec_from_file_location("bench_balance", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("bench_balance")
 
 
 def _imbalance(row: torch.Tensor, placement, windows=(None,)) -> float:

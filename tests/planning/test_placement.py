@@ -4,9 +4,7 @@ needed remote row once, nothing else), with and without a sliding window."""
 
 from __future__ import annotations
 
-import importlib.util
 import warnings
-from pathlib import Path
 
 import pytest
 import torch
@@ -16,6 +14,7 @@ from hypothesis import strategies as st
 from hf_blockdiag_cp import BlockDiagCPConfig, BlockDiagCPContext
 from hf_blockdiag_cp.planning.exchange import plan_exchange
 from hf_blockdiag_cp.planning.placement import make_placement, rank_work
+from tests.benchmark_module import load_benchmark
 
 
 def brute_need(row: list[int], positions: list[int], window: int | None) -> set[int]:
@@ -84,11 +83,7 @@ def test_every_placement_is_served_exactly(data, cp_size, kind, window, strategy
 
 
 def _bench():
-    path = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_balance.py"
-    spec = importlib.util.spec_from_file_location("bench_balance", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("bench_balance")
 
 
 @pytest.mark.parametrize("rows,imbalance,remote", [
