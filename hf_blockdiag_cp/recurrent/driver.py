@@ -6,18 +6,22 @@ knows how to run fragments of one call (the model's function, the package's ops,
 :attr:`~Runner.algebra` knows the summaries (:mod:`.algebra`). :func:`run_fragments`:
 
 1. runs what the summaries need: from a zero state every fragment that sends and starts its document (its end state
-   from zero is its summary's end), and for the fragments that continue and send their transitions (a runner that
-   *corrects*, outputs linear in the entering state ``o(S) = o(0) + read(S)``, gets both and its reads in one pass);
+   from zero is its summary's end) — a runner that *batches* (one call over many fragments) runs every fragment that
+   starts its document in that one call — and, for the fragments that continue and send, their transitions (a runner
+   that *corrects*, outputs linear in the entering state ``o(S) = o(0) + read(S)``, gets the output from zero, the
+   end, the transition and the reads in one pass);
 2. under CP starts ONE fixed-shape all-gather of every rank's summaries (``slots`` per rank, :func:`gather`) and,
-   while it is under way, runs everything that needs no incoming state: the other fragments that start their
-   document and, when the runner corrects with cheap reads, the continuing ones that do not send (their reads);
+   while it is under way, runs what needs no incoming state and was not run yet: the other fragments that start
+   their document and, when the runner corrects, the reads of the continuing ones that do not send (a batching
+   runner reads them together with the continuing senders in step 1 when there are any, one call instead of two);
 3. waits, folds each continuing fragment's entering state from the earlier fragments' summaries in document order
-   and either corrects its output (where its reads were taken) or runs it from that state;
+   and either corrects its output or runs it from that state;
 4. reassembles the rows and ties the gather into the output so that every rank runs the gather's backward
    (:func:`tie`, a zero that does not carry values: a NaN document stays in its document).
 
 Every fragment runs once when the runner corrects (a non-correcting runner runs a continuing fragment that sends
 twice: from zero for its summary's end, and from its state).
+
 At CP = 1 the fragments are the documents (nothing continues): step 1 is the whole call.
 """
 
@@ -42,10 +46,9 @@ class Runner(Protocol):
     algebra: StateAlgebra
     #: outputs are linear in the entering state: continuing fragments run once, before the gather
     corrects: bool
-    #: (correcting runners) a fragment's reads cost less than running it again from its state (SSD / Mamba1 read
-    #: them off its inputs; the delta rule / KDA carry ``Dk`` more value columns): else a continuing fragment that
-    #: does not send runs once, from its state, after the gather
-    cheap_reads: bool
+    #: one call runs many fragments (an op over ``cu_seqlens``): a call more costs a pass over the longest
+    #: fragment's chunks, so the driver splits off only what the overlap needs (see :func:`run_fragments`)
+    batches: bool
     #: the summary is the fragment's last inputs (:class:`~.algebra.WindowAlgebra`), not read off a run
     window: bool
     #: the call asks for its final state (CP = 1: each row's last fragment's end state)
@@ -111,23 +114,28 @@ def gather(runs: LocalRuns, sent: Sequence[torch.Tensor], width: int, device: to
 def _summarise(runner: Runner, frags: list[Fragment], send: Sequence[int], sources: dict, outputs: dict[int, Any],
                reads: dict[int, tuple[Any, Any]]) -> dict[int, Summary]:
     """Step 1 (module docstring): the summaries of this rank's sending fragments ``send``; fills the outputs of
-    those that start their document and, for a correcting runner, the reads of those that continue."""
+    the fragments it runs from zero and, for a correcting runner, the reads of the continuing ones it runs."""
     if runner.window:
         return {i: Summary(end) for i, end in zip(send, runner.tails([frags[i] for i in send]))}
     summaries: dict[int, Summary] = {}
-    first = [i for i in send if i not in sources or not runner.corrects]
+    sending = set(send)
+    first = [i for i in range(len(frags)) if i in sending and (i not in sources or not runner.corrects)
+             or runner.batches and i not in sources]
     if first:
-        outs, ends = runner.run([frags[i] for i in first], None, True)
-        for i, out, end in zip(first, outs, ends):
-            summaries[i] = Summary(end)
+        outs, ends = runner.run([frags[i] for i in first], None, any(i in sending for i in first))
+        for i, out, end in zip(first, outs, ends or [None] * len(first)):
+            if i in sending:
+                summaries[i] = Summary(end)
             if i not in sources:
                 outputs[i] = out
     movers = [i for i in send if i in sources]
     if movers and runner.corrects:
-        out0, end0, trans, read = runner.partial([frags[i] for i in movers])
-        for j, i in enumerate(movers):
+        both = sorted(sources) if runner.batches else movers  # one call for every continuing fragment
+        out0, end0, trans, read = runner.partial([frags[i] for i in both])
+        for j, i in enumerate(both):
             reads[i] = (out0[j], read[j])
-            summaries[i] = Summary(end0[j], trans[j])
+            if i in sending:
+                summaries[i] = Summary(end0[j], trans[j])
     elif movers:
         for i, t in zip(movers, runner.transitions([frags[i] for i in movers])):
             summaries[i] = Summary(summaries[i].end, t)
@@ -153,7 +161,7 @@ def run_fragments(runner: Runner, runs: LocalRuns, device: torch.device) -> Any:
     if rest:
         outputs.update(zip(rest, runner.run([frags[i] for i in rest], None, False)[0]))
     continuing = sorted(sources)
-    late = [i for i in continuing if i not in reads] if runner.corrects and runner.cheap_reads else []
+    late = [i for i in continuing if i not in reads] if runner.corrects else []
     if late:
         out0, _, _, read = runner.partial([frags[i] for i in late])
         reads.update(zip(late, zip(out0, read)))

@@ -94,8 +94,7 @@ class ScanRunner:
         self.window = self.kind is K.CONV
         # outputs linear in the entering state with a cheap read: continuing fragments run once, before the gather
         self.corrects = self.kind in (K.SSD, K.SELECTIVE) or (backend != "model" and self.kind in (K.DELTA, K.KDA))
-        # SSD / Mamba1 read a fragment's correction off its inputs; the delta rule's reads cost Dk value columns
-        self.cheap_reads = self.kind in (K.SSD, K.SELECTIVE)
+        self.batches = backend != "model"  # the ops run every fragment of a call at once; the model's function, one
         self._row: dict[str, torch.Tensor] | None = None
 
     # ------------------------------------------------------------------ layout
