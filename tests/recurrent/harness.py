@@ -80,3 +80,50 @@ def packed_batch(docs: list[torch.Tensor], seq_len: int, placement: str) -> dict
     collator = bd.PackingCollator(seq_len, group=dist.group.WORLD, pad_token_id=0, placement=placement,
                                   config=bd.BlockDiagCPConfig(collective_timeout_s=60))
     return collator([{"input_ids": d.tolist()} for d in docs])
+
+
+def family_step_reports(kind: str, runs: list[tuple[Any, str, bool, bool]], layouts: dict[str, list[int]],
+                        seq_len: int, rank: int, world: int, alone: Any,
+                        expected_bytes: Any) -> dict[str, dict[str, Any]]:
+    """One CP training step per layout x ``runs`` entry ``(config, placement, checkpointing, bf16)``, each checked
+    against each document alone; per step a report row: fragments continuing on this rank, whether it holds padding
+    only, whether it sends out of document order, the forward bytes sent, whether ``config is alone`` (every byte is
+    the recurrent gathers') and the bytes ``expected_bytes(model, slots, world)`` predicts."""
+    from hf_blockdiag_cp.conformance.runs import build_model
+    from hf_blockdiag_cp.recurrent.runs import _cached_plan
+    from tests.reference import documents_alone
+
+    report = {}
+    gen = torch.Generator().manual_seed(7)
+    for layout, lengths in layouts.items():
+        docs = [torch.randint(3, runs[0][0].vocab_size, (n,), generator=gen) for n in lengths]
+        for cfg, placement, checkpointing, bf16 in runs:
+            types = getattr(cfg, "layer_types", None) or getattr(cfg, "block_types", None)
+            key = f"{layout}/{types}/{placement}/ckpt={checkpointing}/bf16={bf16}"
+            ref = documents_alone(kind, docs, build_model(cfg, None).train(),
+                                  autocast=torch.bfloat16 if bf16 else None)
+            model = build_model(cfg, "blockdiag_cp").train()
+            if checkpointing:
+                model.activation_checkpointing_enable()
+            step = cp_step(model, packed_batch(docs, seq_len, placement), bf16)
+            assert_matches_documents_alone(key, step, model, ref.logits, ref.grads, bf16)
+            plan = _cached_plan(step.ctx)
+            report[key] = dict(continuing=len(plan.sources[rank]), padding_only=not bool(step.real.any()),
+                               out_of_order=list(plan.send[rank]) != sorted(plan.send[rank]),
+                               sent_forward=step.sent_forward, alone=cfg is alone,
+                               expected=expected_bytes(model, plan.slots, world))
+    return report
+
+
+def assert_family_reports(reports: list[dict[str, dict[str, Any]]], world: int, out_of_order: bool = False) -> None:
+    """What :func:`family_step_reports` found over the ranks: some fragment continued a document; the recurrent-only
+    model sent the bytes of its formula; at CP = 4 some rank held padding only (and, if asked, sent out of order)."""
+    assert sum(r[k]["continuing"] for r in reports for k in r) > 0, "no fragment continued a document"
+    for r in reports:
+        for key, row in r.items():
+            if row["alone"]:
+                assert row["sent_forward"] == row["expected"] > 0, (key, row)
+    if world == 4:
+        assert any(r[k]["padding_only"] for r in reports for k in r)
+        if out_of_order:
+            assert any(r[k]["out_of_order"] for r in reports for k in r)

@@ -32,8 +32,11 @@ from hf_blockdiag_cp.recurrent.algebra import DecayAlgebra
 from hf_blockdiag_cp.recurrent.module_runners import HandedState as _HandedState
 from hf_blockdiag_cp.recurrent.module_runners import stateful_decay
 from tests.launch import run_ranks
-from tests.recurrent.harness import assert_matches_documents_alone, assert_packed_rows_match, cp_step, packed_batch
-from tests.reference import documents_alone
+from tests.recurrent.harness import (
+    assert_family_reports,
+    assert_packed_rows_match,
+    family_step_reports,
+)
 
 
 def compose_stateful(summaries: list, heads: int, dim: int) -> torch.Tensor:
@@ -150,30 +153,11 @@ def expected_bytes(model: torch.nn.Module, slots: int, cp_size: int) -> int:
 
 
 def _worker(rank: int, world: int) -> dict:
-
-    from hf_blockdiag_cp.recurrent.runs import _cached_plan
-
     config = tiny_config(KIND)
     lightning_only = tiny_config(KIND)
     lightning_only.layer_types = ["linear_attention"] * lightning_only.num_hidden_layers  # every byte is ours
     runs = [(config, *case) for case in CASES] + [(lightning_only, "balanced", False, False)]
-    report = {}
-    gen = torch.Generator().manual_seed(7)
-    for layout, lengths in LAYOUTS.items():
-        docs = [torch.randint(3, config.vocab_size, (n,), generator=gen) for n in lengths]
-        for cfg, placement, checkpointing, bf16 in runs:
-            key = f"{layout}/{cfg.layer_types}/{placement}/ckpt={checkpointing}/bf16={bf16}"
-            ref = documents_alone(KIND, docs, build_model(cfg, None).train(), autocast=torch.bfloat16 if bf16 else None)
-            model = build_model(cfg, "blockdiag_cp").train()
-            if checkpointing:
-                model.activation_checkpointing_enable()
-            step = cp_step(model, packed_batch(docs, SEQ_LEN, placement), bf16)
-            assert_matches_documents_alone(key, step, model, ref.logits, ref.grads, bf16)
-            plan = _cached_plan(step.ctx)
-            report[key] = dict(continuing=len(plan.sources[rank]), padding_only=not bool(step.real.any()),
-                               sent_forward=step.sent_forward, lightning_only=cfg is lightning_only,
-                               expected=expected_bytes(model, plan.slots, world))
-    return report
+    return family_step_reports(KIND, runs, LAYOUTS, SEQ_LEN, rank, world, lightning_only, expected_bytes)
 
 
 @pytest.mark.distributed
@@ -182,11 +166,4 @@ def _worker(rank: int, world: int) -> dict:
 def test_training_step_matches_documents_alone(world: int) -> None:
     """A training step on ``world`` gloo ranks equals each document alone (logits mapped back through
     ``local_index``, gradients all-reduced), and the recurrent all-gathers move the bytes of the formula."""
-    reports = run_ranks(_worker, world, timeout=900)
-    assert sum(r[k]["continuing"] for r in reports for k in r) > 0, "no fragment continued a document"
-    for r in reports:
-        for key, row in r.items():
-            if row["lightning_only"]:
-                assert row["sent_forward"] == row["expected"] > 0, (key, row)
-    if world == 4:
-        assert any(r[k]["padding_only"] for r in reports for k in r)
+    assert_family_reports(run_ranks(_worker, world, timeout=900), world)

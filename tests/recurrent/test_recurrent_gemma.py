@@ -30,8 +30,11 @@ from hf_blockdiag_cp.mixer_table import METHODS, WINDOWED, conv_window
 from hf_blockdiag_cp.model.detect import packing_refusal
 from hf_blockdiag_cp.recurrent.scan_runner import ScanRunner
 from tests.launch import run_ranks
-from tests.recurrent.harness import assert_matches_documents_alone, assert_packed_rows_match, cp_step, packed_batch
-from tests.reference import documents_alone
+from tests.recurrent.harness import (
+    assert_family_reports,
+    assert_packed_rows_match,
+    family_step_reports,
+)
 
 KIND = "recurrent_gemma"
 
@@ -195,32 +198,11 @@ def expected_bytes(model: torch.nn.Module, slots: int, cp_size: int) -> int:
 
 
 def _worker(rank: int, world: int) -> dict:
-
-    from hf_blockdiag_cp.recurrent.runs import _cached_plan
-
     config = tiny_config(KIND)
     recurrent_only = tiny_config(KIND)
     recurrent_only.block_types = ["recurrent"]  # no attention layer: every byte sent is the recurrent all-gathers'
     runs = [(config, *case) for case in CASES] + [(recurrent_only, "balanced", False, False)]
-    report = {}
-    gen = torch.Generator().manual_seed(7)
-    for layout, lengths in LAYOUTS.items():
-        docs = [torch.randint(3, config.vocab_size, (n,), generator=gen) for n in lengths]
-        for cfg, placement, checkpointing, bf16 in runs:
-            key = f"{layout}/{cfg.block_types}/{placement}/ckpt={checkpointing}/bf16={bf16}"
-            ref = documents_alone(KIND, docs, build_model(cfg, None).train(),
-                                  autocast=torch.bfloat16 if bf16 else None)
-            model = build_model(cfg, "blockdiag_cp").train()
-            if checkpointing:
-                model.activation_checkpointing_enable()
-            step = cp_step(model, packed_batch(docs, SEQ_LEN, placement), bf16)
-            assert_matches_documents_alone(key, step, model, ref.logits, ref.grads, bf16)
-            plan = _cached_plan(step.ctx)
-            report[key] = dict(continuing=len(plan.sources[rank]), padding_only=not bool(step.real.any()),
-                               out_of_order=list(plan.send[rank]) != sorted(plan.send[rank]),
-                               sent_forward=step.sent_forward, recurrent_only=cfg is recurrent_only,
-                               expected=expected_bytes(model, plan.slots, world))
-    return report
+    return family_step_reports(KIND, runs, LAYOUTS, SEQ_LEN, rank, world, recurrent_only, expected_bytes)
 
 
 @pytest.mark.distributed
@@ -229,12 +211,4 @@ def _worker(rank: int, world: int) -> dict:
 def test_training_step_matches_documents_alone(world: int) -> None:
     """A training step on ``world`` gloo ranks equals each document alone (logits mapped back through
     ``local_index``, gradients all-reduced), and the recurrent all-gathers move the bytes of the formula."""
-    reports = run_ranks(_worker, world, timeout=900)
-    assert sum(r[k]["continuing"] for r in reports for k in r) > 0, "no fragment continued a document"
-    for r in reports:
-        for key, row in r.items():
-            if row["recurrent_only"]:
-                assert row["sent_forward"] == row["expected"] > 0, (key, row)
-    if world == 4:
-        assert any(r[k]["padding_only"] for r in reports for k in r)
-        assert any(r[k]["out_of_order"] for r in reports for k in r)
+    assert_family_reports(run_ranks(_worker, world, timeout=900), world, out_of_order=True)
