@@ -113,7 +113,7 @@ def _plan_mismatch(plans: list[int], fields: list[list[int]]) -> str:
                 "the timeout; create the subgroups once at setup and give every rank's collator/context those")
     return (f"CP ranks planned different K/V exchanges this step: their contexts differ in {'; '.join(parts)}; every "
             "rank of a CP group must build its context with the same BlockDiagCPConfig (HF_BLOCKDIAG_CP_* environment "
-            "variables included), placement and sliding windows")
+            "variables included), placement (a hybrid model's follows the collator's model_config) and sliding windows")
 
 
 # ---- agreement on named integers (the model's per-forward agreement builds on it) --------------------------

@@ -5,7 +5,8 @@ layers given a slow decay so that a wrong hand-off shows), an SSD model (bamba) 
 on rows whose chosen placement cuts documents over ranks: logits mapped back through ``local_index`` and the
 all-reduced gradients equal each document run alone through the unmodified model. One more row per family asks for
 ``placement="mirror"`` (documents reordered, two stretches per rank, cut documents on both ends at P = 4), so that
-placement runs exactly at both sizes whatever the choice.
+placement runs exactly at both sizes whatever the choice. A collator given ``model_config`` on one rank only (its
+placement differs from its peers') ends in an AgreementError on every rank.
 """
 
 from __future__ import annotations
@@ -51,6 +52,20 @@ def _worker(rank: int, world: int) -> dict:
             key = f"{layout}/{kind}/P={world}/{step.ctx.placement.kind}"
             assert_matches_documents_alone(key, step, model, ref_logits, ref_grads)
             report[key] = len(_cached_plan(step.ctx).sources[rank])
+    # model_config given on rank 0 only: its placement is the hybrid one, the others' balanced; every rank must
+    # refuse at the agreement (a clear error), none may finish a step on a placement its peers do not hold.
+    config = tiny_config("qwen3_next")
+    model = build_model(config, "blockdiag_cp").train()
+    collator = bd.PackingCollator(SEQ_LEN, group=dist.group.WORLD, pad_token_id=0,
+                                  model_config=config if rank == 0 else None,
+                                  config=bd.BlockDiagCPConfig(collective_timeout_s=60))
+    gen = torch.Generator().manual_seed(11)
+    docs = [torch.randint(3, config.vocab_size, (n,), generator=gen) for n in LAYOUTS["long_first"]]
+    try:
+        model(**collator([{"input_ids": d.tolist()} for d in docs])).loss.backward()
+        report["_one_rank_model_config"] = "finished"
+    except bd.AgreementError as err:
+        report["_one_rank_model_config"] = str(err)
     return report
 
 
@@ -60,6 +75,8 @@ def _worker(rank: int, world: int) -> dict:
 def test_chosen_placement_matches_documents_alone(world: int) -> None:
     reports = run_ranks(_worker, world, timeout=900)
     assert any(k.endswith("/hybrid") for k in reports[0]), reports[0]  # the hybrid placement was chosen and run
+    for r in reports:
+        assert "differ in placement" in r.pop("_one_rank_model_config"), r
     for kind in KINDS:  # every family continued a document across ranks, under the mirror placement too
         assert sum(r[k] for r in reports for k in r if f"/{kind}/" in k) > 0, (kind, reports)
         assert sum(r[k] for r in reports for k in r if f"/{kind}/" in k and k.endswith("/mirror")) > 0, (kind, reports)
