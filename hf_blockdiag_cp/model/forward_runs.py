@@ -65,8 +65,9 @@ class _Filed:
         items[key] = (weakref.ref(obj, lambda _, k=key: items.pop(k, None)), held)
 
     def alive(self, probe: Any) -> int:
-        """How many distinct forwards of ``probe``'s model have state filed under a live object."""
-        return len({id(held.runs) for ref, held in list(self._items.values())
+        """How many distinct forwards (by what they hold: fragments, positions, context) of ``probe``'s model have
+        state filed under a live object (a filed state keeps its parts alive, so their ids stay theirs)."""
+        return len({(id(held.runs), id(held.positions), id(held.context)) for ref, held in list(self._items.values())
                     if held.probe is probe and ref() is not None})
 
 
@@ -97,10 +98,7 @@ class _Carry:
         self.inner, self.probe = inner, probe
 
     def __call__(self, function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-        held = self.probe.current()
-        if held is not None:
-            function = functools.partial(_replay, held, function)
-        return self.inner(function, *args, **kwargs)
+        return self.inner(functools.partial(_replay, self.probe.current(), function), *args, **kwargs)
 
 
 def _layer_pre_hook(layer: torch.nn.Module, args: tuple, kwargs: dict[str, Any]) -> None:

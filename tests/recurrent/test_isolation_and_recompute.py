@@ -7,7 +7,8 @@
   reentrant and non-reentrant, at CP = 1 and CP = 2: through transformers' checkpointing each recompute reads its
   own forward's fragments (:mod:`hf_blockdiag_cp.model.forward_runs`) and the gradients equal each document alone;
   through torch's checkpoint wrapper (which carries nothing) refused naming the cause, and a backward per forward
-  is exact.
+  is exact. The same for stablelm at CP = 2 (attention only; its layers drop the model's kwargs, so the recompute
+  reads the forward's held ``cp_context``).
 
 Gated delta rule layers get ``A_log = -4`` (decay ~0.97 per token): tiny random configs forget their state after one
 token, which would let a wrong hand-off pass unseen.
@@ -157,6 +158,11 @@ def _worker(rank: int, world: int) -> dict:
             for reentrant in (True, False):
                 batches = [packed_batch(d, SEQ_LEN, "balanced") for d in docs]
                 _two_forwards(kind, reentrant, batches, docs, distributed=True)
+    if world == 2:  # attention only, whose layers drop the model's kwargs: the recompute reads the held cp_context
+        docs = [_docs(FIRST, _vocab("stablelm"), 2), _docs(SECOND, _vocab("stablelm"), 3)]
+        for reentrant in (True, False):
+            batches = [packed_batch(d, SEQ_LEN, "balanced") for d in docs]
+            _two_forwards("stablelm", reentrant, batches, docs, distributed=True)
     return {}
 
 
