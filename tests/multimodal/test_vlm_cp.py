@@ -98,7 +98,7 @@ PATCHES = {"qwen2_5_vl": 16 + 128 + 16, "qwen3_vl": 16 + 128 + 16, "qwen3_5": 16
 
 def test_qwen_family_cp2() -> None:
     scenarios = [("qwen2_5_vl", "balanced"), ("qwen2_5_vl", "contiguous"), ("qwen2_5_vl", "zigzag"),
-                 ("qwen3_vl", "balanced"), ("qwen3_5", "balanced"), ("llava", "contiguous"),
+                 ("qwen3_vl", "balanced"), ("qwen3_5", "balanced"), ("qwen3_5", "mirror"), ("llava", "contiguous"),
                  ("qwen2_5_vl+video", "balanced"), ("qwen3_vl+video", "contiguous"), ("qwen3_vl+ckpt", "balanced")]
     _check(run_ranks(_worker, 2, scenarios, timeout=360), scenarios, PATCHES)
 
