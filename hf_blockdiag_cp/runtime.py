@@ -103,6 +103,7 @@ class StepRuntime:
         recurrent: what recurrent layers build once per step and reuse, by a key of their own (owned by
             :mod:`hf_blockdiag_cp.recurrent`: the head-parallel fallback's all-to-alls and row orders per device).
         timeout: the bound on each collective of the step (:meth:`collective_timeout`), built once.
+        gather_group: what :meth:`all_gather` runs on (the group, its global ranks, the timeout), built once.
     """
 
     plans: dict[PlanKey, DevicePlan] = field(default_factory=dict)
@@ -116,6 +117,7 @@ class StepRuntime:
     fragments: FragmentPlan | None = None
     recurrent: dict[Hashable, object] = field(default_factory=dict)
     timeout: datetime.timedelta | None = None
+    gather_group: GatherGroup | None = None
 
     def collective_timeout(self, ctx: BlockDiagCPContext) -> datetime.timedelta:
         """The bound on each collective of the step (``config.collective_timeout_s``)."""
@@ -214,8 +216,10 @@ class StepRuntime:
         (:class:`~hf_blockdiag_cp.distributed.exchange.Deferred`) it returns once started: read the result after
         ``deferred.wait()``; the seconds waited there are counted in :attr:`comm` (``waited_s``).
         """
-        on = GatherGroup(ctx.cp_size, ctx.cp_rank, ctx.group, self.collective_timeout(ctx), self.comm)
-        return all_gather(buffer, on, what, deferred)
+        if self.gather_group is None:
+            self.gather_group = GatherGroup(ctx.cp_size, ctx.cp_rank, ctx.group, self.collective_timeout(ctx),
+                                            self.comm, _global_ranks(ctx))
+        return all_gather(buffer, self.gather_group, what, deferred)
 
     @contextlib.contextmanager
     def guard(self, ctx: BlockDiagCPContext, what: str) -> Iterator[None]:
@@ -229,6 +233,15 @@ class StepRuntime:
             raise
         except Exception as err:
             raise failure(ctx, what, err) from err
+
+
+def _global_ranks(ctx: BlockDiagCPContext) -> tuple[int, ...]:
+    """The global rank of each rank of ``ctx.group`` (empty for a group torch does not know: the all-gather then
+    takes the collective, whose own checks speak for it)."""
+    try:
+        return tuple(dist.get_global_rank(ctx.group, r) for r in range(ctx.cp_size))
+    except (ValueError, RuntimeError):
+        return ()
 
 
 def abandon(ctx: BlockDiagCPContext, err: BaseException) -> None:

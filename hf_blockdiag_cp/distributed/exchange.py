@@ -170,18 +170,43 @@ def wait(work, what: str, rank: int, timeout: datetime.timedelta, *, group) -> N
                       "(see its log)")
 
 
-def _p2p(ops: list[tuple[str, torch.Tensor, int]], ex: RankExchange, what: str) -> None:
-    if not ops:
-        return
+class _Works:
+    """Several async point-to-point works, waited as one (:func:`wait` takes it like a collective's work)."""
+
+    def __init__(self, works: list) -> None:
+        self.works = works
+
+    def wait(self, timeout: datetime.timedelta) -> bool:
+        return all(work.wait(timeout) is not False for work in self.works)
+
+
+def _start_p2p(ops: list[tuple[str, torch.Tensor, int]], ex: RankExchange | GatherGroup, what: str) -> _Works:
+    """Post ``ops`` (``("send" | "recv", tensor, group rank)``) at once; wait on the result."""
     p2p = [dist.P2POp(dist.isend if kind == "send" else dist.irecv, tensor, ex.global_ranks[peer], ex.group)
            for kind, tensor, peer in ops]
     try:
-        works = dist.batch_isend_irecv(p2p)
+        return _Works(dist.batch_isend_irecv(p2p) if p2p else [])
     except Exception as err:  # gloo raises here (not in wait) when a peer's connection is gone
         raise failed(ex.group, ex.rank, what, "failed: a peer rank most likely failed first (see its log)",
                       err) from err
-    for work in works:
-        wait(work, what, ex.rank, ex.timeout, group=ex.group)
+
+
+def _p2p(ops: list[tuple[str, torch.Tensor, int]], ex: RankExchange, what: str) -> None:
+    if ops:
+        wait(_start_p2p(ops, ex, what), what, ex.rank, ex.timeout, group=ex.group)
+
+
+def _direct(ex: RankExchange | GatherGroup) -> bool:
+    """Whether an all-gather / reduce-scatter of ``ex`` goes as direct sends to every peer: on gloo, whose collectives
+    step round a ring (P - 1 dependent hops); measured with fixed-shape CPU buffers, per call, direct vs gloo's
+    collective: all-gather 0.09 vs 0.22 ms CPU at P = 2, 0.54 vs 1.15 ms at P = 4 (wall 1.4 vs 3.3 ms); reduce-scatter
+    0.17 vs 0.54 ms at P = 2, 0.64 vs 1.9 ms at P = 4 (wall 1.6 vs 5.3 ms). The bytes are the collective's."""
+    if len(ex.global_ranks) != ex.size:
+        return False
+    try:
+        return dist.get_backend(ex.group) == "gloo"
+    except (RuntimeError, ValueError, TypeError, AttributeError):  # a stand-in group (tests' fakes): the collective
+        return False
 
 
 @dataclass(frozen=True)
@@ -192,6 +217,7 @@ class GatherGroup:
         size: ``P``, the group's ranks; rank: this rank in it (error messages).
         group: the process group; timeout: how long one collective may take.
         stats: where moved bytes are recorded (``None``: not recorded).
+        global_ranks: group rank -> global rank, for the direct sends on gloo (:func:`_direct`; empty: the collective).
     """
 
     size: int
@@ -199,6 +225,7 @@ class GatherGroup:
     group: object
     timeout: datetime.timedelta
     stats: CommStats | None = None
+    global_ranks: tuple[int, ...] = ()
 
 
 def gradient_name(what: str) -> str:
@@ -240,7 +267,14 @@ class _AllGather(torch.autograd.Function):
                 what: str = "K/V all-gather", deferred: Deferred | None = None) -> torch.Tensor:
         buf = buf.contiguous()
         out = buf.new_empty(ex.size * buf.shape[0], buf.shape[1])
-        work = all_gather_single(out, buf, group=ex.group, async_op=True)
+        n = buf.shape[0]
+        if _direct(ex):
+            out[ex.rank * n:(ex.rank + 1) * n].copy_(buf)
+            peers = [p for p in range(ex.size) if p != ex.rank]
+            work = _start_p2p([("send", buf, p) for p in peers] + [("recv", out[p * n:(p + 1) * n], p) for p in peers],
+                              ex, what)
+        else:
+            work = all_gather_single(out, buf, group=ex.group, async_op=True)
         if deferred is None:
             _waited(work, ex, what)
         else:
@@ -257,9 +291,20 @@ class _AllGather(torch.autograd.Function):
         backward_what = gradient_name(ctx.what)
         check_usable(ex.group, backward_what.replace("reduce-scatter", "exchange"), ex.rank)
         grad = grad.contiguous()
-        out = grad.new_empty(grad.shape[0] // ex.size, grad.shape[1])
-        work = reduce_scatter_single(out, grad, op=dist.ReduceOp.SUM, group=ex.group, async_op=True)
-        wait(work, backward_what, ex.rank, ex.timeout, group=ex.group)
+        n = grad.shape[0] // ex.size
+        if _direct(ex):
+            peers = [p for p in range(ex.size) if p != ex.rank]
+            parts = {p: grad.new_empty(n, grad.shape[1]) for p in peers}
+            work = _start_p2p([("send", grad[p * n:(p + 1) * n], p) for p in peers] +
+                              [("recv", parts[p], p) for p in peers], ex, backward_what)
+            wait(work, backward_what, ex.rank, ex.timeout, group=ex.group)
+            # summed in rank order, own rows in their place (as a reduce-scatter adds them)
+            out = sum((grad[p * n:(p + 1) * n] if p == ex.rank else parts[p] for p in range(ex.size)),
+                      grad.new_zeros(n, grad.shape[1]))
+        else:
+            out = grad.new_empty(n, grad.shape[1])
+            work = reduce_scatter_single(out, grad, op=dist.ReduceOp.SUM, group=ex.group, async_op=True)
+            wait(work, backward_what, ex.rank, ex.timeout, group=ex.group)
         if ex.stats is not None:
             moved = out.nbytes * (ex.size - 1)
             ex.stats.record("backward", moved, moved)
