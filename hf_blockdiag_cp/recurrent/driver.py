@@ -13,7 +13,9 @@ knows how to run fragments of one call (the model's function, the package's ops,
 2. under CP starts ONE fixed-shape all-gather of every rank's summaries (``slots`` per rank, :func:`gather`) and,
    while it is under way, runs what needs no incoming state and was not run yet: the other fragments that start
    their document and, when the runner corrects, the reads of the continuing ones that do not send (a batching
-   runner reads them together with the continuing senders in step 1 when there are any, one call instead of two);
+   runner reads them together with the continuing senders in step 1 when there are any, one call instead of two).
+   A runner whose reads cost an *augmented* pass (the delta rules on an op: ~1.4x a plain pass on CPU) runs a
+   continuing fragment that does not send from its state after the wait instead, one plain pass;
 3. waits, folds each continuing fragment's entering state from the earlier fragments' summaries in document order
    and either corrects its output or runs it from that state;
 4. reassembles the rows and ties the gather into the output so that every rank runs the gather's backward
@@ -53,6 +55,9 @@ class Runner(Protocol):
     window: bool
     #: the call asks for its final state (CP = 1: each row's last fragment's end state)
     final: bool
+    #: its reads come from an augmented pass (the delta rules on an op: values widened by ``Dk`` columns, ~1.4x a
+    #: plain pass on CPU): a continuing fragment that does not send runs once from its state after the gather instead
+    augments: bool
 
     def run(self, frags: Sequence[Fragment], states: Sequence[State] | None,
             want_end: bool) -> tuple[list[Any], list[State] | None]:
@@ -161,7 +166,7 @@ def run_fragments(runner: Runner, runs: LocalRuns, device: torch.device) -> Any:
     if rest:
         outputs.update(zip(rest, runner.run([frags[i] for i in rest], None, False)[0]))
     continuing = sorted(sources)
-    late = [i for i in continuing if i not in reads] if runner.corrects else []
+    late = [i for i in continuing if i not in reads] if runner.corrects and not runner.augments else []
     if late:
         out0, _, _, read = runner.partial([frags[i] for i in late])
         reads.update(zip(late, zip(out0, read)))

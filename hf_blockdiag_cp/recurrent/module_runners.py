@@ -37,6 +37,7 @@ class _ModuleRunner:
     """What the module runners share: no corrections, fragments in local order, rows of ``batch``."""
 
     corrects = False
+    augments = False
     batches = False
     window = False
     final = False

@@ -95,6 +95,7 @@ class ScanRunner:
         # outputs linear in the entering state with a cheap read: continuing fragments run once, before the gather
         self.corrects = self.kind in (K.SSD, K.SELECTIVE) or (backend != "model" and self.kind in (K.DELTA, K.KDA))
         self.batches = backend != "model"  # the ops run every fragment of a call at once; the model's function, one
+        self.augments = self.corrects and self.kind in (K.DELTA, K.KDA)  # reads from a pass with Dk more value columns
         self._row: dict[str, torch.Tensor] | None = None
 
     # ------------------------------------------------------------------ layout

@@ -30,6 +30,7 @@ PLACEMENT = torch.arange(16).view(2, 8)
 class _Runner:
     window = False
     final = False
+    augments = False
 
     def __init__(self, events: list[str], corrects: bool, batches: bool = False) -> None:
         self.events, self.corrects, self.batches = events, corrects, batches
@@ -104,6 +105,22 @@ def test_the_gather_overlaps_the_fragments_that_need_no_state(rank: int, correct
         out = run_fragments(_Runner(events, corrects, batches), _Runs(rank, events), torch.device("cpu"))
     assert torch.isfinite(out).all(), "an entering state was read before the gather finished"
     assert events == EXPECTED[rank, corrects, batches]
+
+
+@pytest.mark.parametrize("rank,expected", [
+    (0, ["run[doc1,doc2]", "gather", "wait"]),  # nothing continues on rank 0
+    (1, ["run[doc3]", "gather", "wait", "run[doc2]+state"]),  # doc 2's tail: one plain pass after the wait
+])
+def test_an_augmenting_runner_runs_a_continuing_fragment_from_its_state(rank: int, expected: list[str]) -> None:
+    """A correcting runner whose reads cost an augmented pass (the delta rules on an op) does not read a continuing
+    fragment that does not send during the gather: it runs it once from its entering state after the wait."""
+    events: list[str] = []
+    runner = _Runner(events, True, True)
+    runner.augments = True
+    with torch.no_grad():
+        out = run_fragments(runner, _Runs(rank, events), torch.device("cpu"))
+    assert torch.isfinite(out).all()
+    assert events == expected
 
 
 def test_a_summary_is_packed_before_the_gather_starts() -> None:
