@@ -18,7 +18,9 @@ shared, loaded machine the processes compete for cores with other work, which in
 gloo waits block), and the most any rank waited per step for its recurrent summary gathers (``comm_stats``'s
 ``waited_s``; ``--no-overlap`` waits for each gather as soon as it started, the comparison for the overlap of the
 gather with the fragments that need no incoming state). Processes meet through a file store in a temporary
-directory (no port).
+directory (no port). Every run is a spawn (CP = 1 too); ``--rounds`` rounds run CP = 1 and each CP = P in turn and the
+ratio is taken per round (median and range printed): this VM's speed drifts by up to 20 % over minutes, more than
+the differences the bounds ask about.
 
 transformers' Mamba1 fallback backward is quadratic in the length (hours at 16K), so ``mamba`` is timed forward
 only (marked ``fwd``) unless ``--mamba-backward``.
@@ -176,17 +178,20 @@ def _cp_worker(rank: int, world: int, store_path: str, spec: dict, out_path: str
 
 
 def _cp_time(world: int, spec: dict) -> tuple[float, float, float]:
-    """(wall, CPU, recurrent gather wait) seconds of one step: per step the slowest rank, median over steps."""
+    """(wall, CPU, recurrent gather wait) seconds of one step: per step the slowest rank, median over steps. CP = 1
+    runs in a spawned process too, like every CP size (the same start, imports and allocator history)."""
     import torch.multiprocessing as mp
     with tempfile.TemporaryDirectory() as tmp:
         store, out = os.path.join(tmp, "store"), os.path.join(tmp, "times")
-        if world == 1:
-            _cp_worker(0, 1, store, spec, out)
-        else:
-            mp.start_processes(_cp_worker, args=(world, store, spec, out), nprocs=world, start_method="spawn")
+        mp.start_processes(_cp_worker, args=(world, store, spec, out), nprocs=world, start_method="spawn")
         per_rank = [json.loads(Path(f"{out}.{r}").read_text()) for r in range(world)]
     steps = list(zip(*per_rank))  # per step, each rank's (wall, cpu)
     return tuple(statistics.median(max(r[k] for r in step) for step in steps) for k in range(3))
+
+
+def _spread(values: list[float]) -> str:
+    """``median [min-max]`` of per-round ratios."""
+    return f"{statistics.median(values):.3f} [{min(values):.3f}-{max(values):.3f}]"
 
 
 def cp(args) -> None:
@@ -194,21 +199,25 @@ def cp(args) -> None:
     worlds = [w for w in args.worlds if w > 1]
     for model in args.models:
         print(f"# {model}, one training step (fwd+bwd) on a {args.tokens}-token row, docs {lens}, one thread per "
-              f"rank, median of {args.steps}; CP = P / CP = 1 is the busiest rank's CPU time (wall in brackets); "
-              f"wait: the most any rank waited per step for its recurrent summary gathers"
+              f"rank, median of {args.steps} steps per run, {args.rounds} rounds (CP = 1 and each CP = P in turn); "
+              f"CP = P / CP = 1: per round the busiest rank's CPU time over CP = 1's (wall in brackets), median "
+              f"[min-max] over the rounds; wait: the most any rank waited per step for its recurrent summary gathers"
               f"{' (no overlap)' if args.no_overlap else ''}")
         print("| recurrent_backend | CP = 1 CPU (wall) | " + " | ".join(
-            f"CP = {w} CPU (wall) | CP = {w} / CP = 1 | CP = {w} wait" for w in worlds) + " |")
-        print("|---|---|" + "---|---|---|" * len(worlds))
+            f"CP = {w} CPU (wall) | CP = {w} / CP = 1 CPU | (wall) | CP = {w} wait" for w in worlds) + " |")
+        print("|---|---|" + "---|---|---|---|" * len(worlds))
         for backend in args.backends:
             spec = {"backend": backend, "seed": args.seed, "lens": lens, "tokens": args.tokens, "steps": args.steps,
                     "model": model, "no_overlap": args.no_overlap}
-            one = _cp_time(1, spec)
-            cells = [f"{one[1] * 1e3:.0f} ms ({one[0] * 1e3:.0f})"]
-            for world in worlds:
-                many = _cp_time(world, spec)
-                cells += [f"{many[1] * 1e3:.0f} ms ({many[0] * 1e3:.0f})",
-                          f"{many[1] / one[1]:.3f} ({many[0] / one[0]:.3f})", f"{many[2] * 1e3:.1f} ms"]
+            # The machine's speed drifts (a shared VM: CP = 1 alone measured 1.65-2.04 s within ten minutes), so
+            # CP = 1 and CP = P alternate and each round's ratio compares neighbouring runs.
+            rounds = [[_cp_time(w, spec) for w in (1, *worlds)] for _ in range(args.rounds)]
+            med = lambda i, k: statistics.median(r[i][k] for r in rounds)  # noqa: E731
+            cells = [f"{med(0, 1) * 1e3:.0f} ms ({med(0, 0) * 1e3:.0f})"]
+            for j, world in enumerate(worlds, start=1):
+                cells += [f"{med(j, 1) * 1e3:.0f} ms ({med(j, 0) * 1e3:.0f})",
+                          _spread([r[j][1] / r[0][1] for r in rounds]), _spread([r[j][0] / r[0][0] for r in rounds]),
+                          f"{med(j, 2) * 1e3:.1f} ms"]
             print(f"| {backend} | " + " | ".join(cells) + " |", flush=True)
 
 
@@ -219,7 +228,9 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=16384, help="tokens in the packed row (default 16384)")
     parser.add_argument("--docs", type=int, default=8, help="lognormal documents in the row (default 8)")
     parser.add_argument("--repeats", type=int, default=3, help="--part layers: timed runs, median (default 3)")
-    parser.add_argument("--steps", type=int, default=3, help="--part cp: timed steps, median (default 3)")
+    parser.add_argument("--steps", type=int, default=3, help="--part cp: timed steps per run, median (default 3)")
+    parser.add_argument("--rounds", type=int, default=3,
+                        help="--part cp: rounds of CP = 1 and each CP = P in turn; ratios per round (default 3)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the document lengths, tokens and weights")
     parser.add_argument("--types", nargs="+", default=[*LAYERS, "tiny-qwen3-next"],
                         choices=[*LAYERS, "tiny-qwen3-next"], help="--part layers: mixers to time")
