@@ -7,8 +7,14 @@ ranks and seeds, against all-gather.
 Part 2 (real gloo processes on this machine): wall time of one layer's exchange forward+backward and
 of the whole CP attention layer (exchange + sdpa_doc kernel) per strategy, at P = 2 and 4.
 
-    python benchmarks/bench_exchange.py                 # both parts
+Part 3 (``--gathers``, real gloo processes): CPU and wall time per call of the package's fixed-shape all-gather
+(the recurrent state summaries' gather, ``distributed/exchange.all_gather``) and of its backward, with the backward as
+direct sends to every peer (what the package runs on gloo) and as gloo's reduce-scatter, at P = 2 and 4 (the forward
+is gloo's all-gather in both).
+
+    python benchmarks/bench_exchange.py                 # parts 1 and 2
     python benchmarks/bench_exchange.py --no-timing     # simulation only
+    python benchmarks/bench_exchange.py --no-timing --gathers
 """
 
 from __future__ import annotations
@@ -144,6 +150,66 @@ def timing(cp_sizes: list[int], full_len: int, iters: int) -> None:
             print(f"| {world} | {strategy} | {resolved} | {ex:.1f} | {layer:.1f} | {recv} |")
 
 
+def _gather_worker(rank: int, world: int, store: str, calls: int, rows: int, width: int, out: str) -> None:
+    import json
+
+    import torch.distributed as dist
+
+    from hf_blockdiag_cp.distributed import exchange
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
+    on = exchange.GatherGroup(world, rank, dist.group.WORLD, datetime.timedelta(seconds=120), None,
+                              tuple(range(world)))
+    direct = exchange._direct
+    times = {}
+    for path in ("direct backward", "gloo reduce-scatter"):
+        exchange._direct = direct if path == "direct backward" else (lambda ex: False)
+        buf = torch.randn(rows, width, requires_grad=True)
+        for phase in ("forward", "backward"):
+            for i in range(calls + 5):  # 5 warm-up calls
+                if i == 5:
+                    dist.barrier()
+                    cpu, wall = time.process_time(), time.perf_counter()
+                gathered = exchange.all_gather(buf, on, "benchmark all-gather")
+                if phase == "backward":
+                    gathered.backward(torch.ones_like(gathered))
+            # the backward phase times forward + backward; the forward phase is subtracted below
+            times[path, phase] = ((time.process_time() - cpu) / calls, (time.perf_counter() - wall) / calls)
+        times[path, "backward"] = tuple(b - f for b, f in zip(times[path, "backward"], times[path, "forward"]))
+    exchange._direct = direct
+    with open(f"{out}.{rank}", "w") as f:
+        json.dump({f"{p}|{q}": v for (p, q), v in times.items()}, f)
+    dist.destroy_process_group()
+
+
+def gathers(cp_sizes: list[int], calls: int, rows: int = 2, width: int = 2000) -> None:
+    import json
+    import tempfile
+
+    import torch.multiprocessing as mp
+
+    print(f"\n## The fixed-shape all-gather on gloo ([{rows}, {width}] fp32 per rank, {calls} calls, 1 thread per rank;"
+          " CPU: the busiest rank's process time per call, wall: the slowest rank's)\n")
+    print("| P | backward | forward CPU / wall (ms) | backward CPU / wall (ms) |")
+    print("|---|---|---|---|")
+    for world in cp_sizes:
+        with tempfile.TemporaryDirectory() as tmp:
+            mp.start_processes(_gather_worker, args=(world, f"{tmp}/store", calls, rows, width, f"{tmp}/t"),
+                               nprocs=world, start_method="spawn")
+            per_rank = []
+            for r in range(world):
+                with open(f"{tmp}/t.{r}") as f:
+                    per_rank.append(json.load(f))
+        for path in ("direct backward", "gloo reduce-scatter"):
+            cells = []
+            for phase in ("forward", "backward"):
+                cpu = max(t[f"{path}|{phase}"][0] for t in per_rank) * 1e3
+                wall = max(t[f"{path}|{phase}"][1] for t in per_rank) * 1e3
+                cells.append(f"{cpu:.2f} / {wall:.2f}")
+            print(f"| {world} | {path} | " + " | ".join(cells) + " |", flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--seq-len", type=int, default=16384, help="row length S of the simulation (part 1)")
@@ -155,10 +221,15 @@ def main() -> None:
     parser.add_argument("--timing-seq-len", type=int, default=8192, help="row length S of the timing")
     parser.add_argument("--iters", type=int, default=3, help="timed iterations per strategy (median reported)")
     parser.add_argument("--no-timing", action="store_true", help="skip part 2 (the gloo timing)")
+    parser.add_argument("--gathers", action="store_true",
+                        help="part 3: the fixed-shape all-gather on gloo; backward: direct sends vs reduce-scatter")
+    parser.add_argument("--calls", type=int, default=200, help="part 3: timed calls per path and phase")
     args = parser.parse_args()
     simulate(args.cp_sizes, args.seq_len, args.seeds, args.sigma)
     if not args.no_timing:
         timing(args.timing_cp_sizes, args.timing_seq_len, args.iters)
+    if args.gathers:
+        gathers(args.timing_cp_sizes, args.calls)
 
 
 if __name__ == "__main__":

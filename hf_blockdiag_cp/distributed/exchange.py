@@ -197,10 +197,11 @@ def _p2p(ops: list[tuple[str, torch.Tensor, int]], ex: RankExchange, what: str) 
 
 
 def _direct(ex: RankExchange | GatherGroup) -> bool:
-    """Whether an all-gather / reduce-scatter of ``ex`` goes as direct sends to every peer: on gloo, whose collectives
-    step round a ring (P - 1 dependent hops); measured with fixed-shape CPU buffers, per call, direct vs gloo's
-    collective: all-gather 0.09 vs 0.22 ms CPU at P = 2, 0.54 vs 1.15 ms at P = 4 (wall 1.4 vs 3.3 ms); reduce-scatter
-    0.17 vs 0.54 ms at P = 2, 0.64 vs 1.9 ms at P = 4 (wall 1.6 vs 5.3 ms). The bytes are the collective's."""
+    """Whether the backward of an all-gather of ``ex`` (a reduce-scatter) goes as direct sends to every peer: on
+    gloo, whose reduce-scatter costs 2-3x more. ``python benchmarks/bench_exchange.py --no-timing --gathers`` (the
+    package's all-gather, ``[2, 2000]`` fp32, per call, CPU / wall ms): backward direct 0.26 / 0.37 vs gloo's
+    0.60-0.70 / 1.0 at P = 2, 1.2-1.5 / 2.6-3.1 vs 2.9 / 7.4-7.6 at P = 4; the forward stays gloo's all-gather, which
+    direct sends did not beat (1.0 vs 0.6-0.9 ms CPU at P = 4). The bytes are the collective's."""
     if len(ex.global_ranks) != ex.size:
         return False
     try:
@@ -267,14 +268,7 @@ class _AllGather(torch.autograd.Function):
                 what: str = "K/V all-gather", deferred: Deferred | None = None) -> torch.Tensor:
         buf = buf.contiguous()
         out = buf.new_empty(ex.size * buf.shape[0], buf.shape[1])
-        n = buf.shape[0]
-        if _direct(ex):
-            out[ex.rank * n:(ex.rank + 1) * n].copy_(buf)
-            peers = [p for p in range(ex.size) if p != ex.rank]
-            work = _start_p2p([("send", buf, p) for p in peers] + [("recv", out[p * n:(p + 1) * n], p) for p in peers],
-                              ex, what)
-        else:
-            work = all_gather_single(out, buf, group=ex.group, async_op=True)
+        work = all_gather_single(out, buf, group=ex.group, async_op=True)
         if deferred is None:
             _waited(work, ex, what)
         else:

@@ -1,9 +1,9 @@
-"""The all-gather of fixed-shape buffers (recurrent state summaries, K/V rows) on gloo goes as direct sends to every
-peer, not gloo's ring collective (2-3x less CPU per call on CPU ranks, see ``exchange._direct``). On real gloo
-ranks, over the whole world and over CP subgroups whose group ranks are not their global ranks (a (dp, cp) mesh):
-the output is every rank's rows in rank order, the backward gives each rank the sum of every rank's gradient of its
-rows, a deferred gather gives the same, and the collective path (what NCCL runs) gives the same numbers; the bytes
-counted are the collective's."""
+"""The backward of the all-gather of fixed-shape buffers (recurrent state summaries, K/V rows) on gloo goes as direct
+sends to every peer, not gloo's reduce-scatter (2-3x less CPU per call on CPU ranks, see ``exchange._direct``). On
+real gloo ranks, over the whole world and over CP subgroups whose group ranks are not their global ranks (a (dp, cp)
+mesh): the output is every rank's rows in rank order, the backward gives each rank the sum of every rank's gradient
+of its rows, a deferred gather gives the same, and the collective path (what NCCL runs) gives the same numbers; the
+bytes counted are the collective's."""
 
 from __future__ import annotations
 
