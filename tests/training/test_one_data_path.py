@@ -101,7 +101,10 @@ def _train_run(tmp: str, cp_size: int | None, accumulation: int, workers: int, m
                              logging_steps=logging_steps, max_steps=STEPS, per_device_train_batch_size=1,
                              gradient_accumulation_steps=accumulation, max_grad_norm=CLIP,
                              lr_scheduler_type="constant", warmup_steps=0, seed=7, ddp_find_unused_parameters=False,
-                             train_sampling_strategy="sequential", dataloader_num_workers=workers)
+                             train_sampling_strategy="sequential", dataloader_num_workers=workers,
+                             # the ranks are forkserver children, whose workers would start a fork server and import
+                             # torch afresh each pass (~5 s a run); fork is what a Linux launch gets by default
+                             dataloader_multiprocessing_context="fork" if workers else None)
     model = tiny_model("llama", attn_implementation="blockdiag_cp")
     dataset = _packed()
     if map_style:

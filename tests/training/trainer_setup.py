@@ -46,4 +46,8 @@ def training_args(tmp: str, **overrides):
                 max_steps=1, per_device_train_batch_size=4, per_device_eval_batch_size=4, gradient_accumulation_steps=2,
                 train_sampling_strategy="sequential", max_grad_norm=0.0, lr_scheduler_type="constant",
                 warmup_steps=0, ddp_find_unused_parameters=False)
+    if overrides.get("dataloader_num_workers"):
+        # The test ranks are forkserver children, whose DataLoader workers would each start a fork server and
+        # import torch afresh (seconds a run); fork is what a Linux launch gets by default.
+        base["dataloader_multiprocessing_context"] = "fork"
     return TrainingArguments(**{**base, **overrides})
