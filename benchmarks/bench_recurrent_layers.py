@@ -15,7 +15,9 @@ vs CP = P for each of ``--worlds`` (P gloo processes, one thread each, the place
 model), per recurrent backend; the bounds (issue 36) are CP = 2 / CP = 1 <= 0.52 and CP = 4 / CP = 1 <= 0.28. Wall
 time per step (the slowest rank) and the CPU time the busiest rank spent in the step (``time.process_time``: on a
 shared, loaded machine the processes compete for cores with other work, which inflates wall time but not CPU time;
-gloo waits block), and the most any rank waited per step for its recurrent summary gathers (``comm_stats``'s
+gloo waits block) with its user and system parts apart (``getrusage``: system time is page faults and gloo's socket
+calls, not the package's compute), after ``--warmup`` untimed steps (a process's allocator settles in ~3), and the
+most any rank waited per step for its recurrent summary gathers (``comm_stats``'s
 ``waited_s``; ``--no-overlap`` waits for each gather as soon as it started, the comparison for the overlap of the
 gather with the fragments that need no incoming state). Processes meet through a file store in a temporary
 directory (no port). Every run is a spawn (CP = 1 too); ``--rounds`` rounds run CP = 1 and each CP = P in turn and the
@@ -38,6 +40,7 @@ import argparse
 import copy
 import json
 import os
+import resource
 import statistics
 import sys
 import tempfile
@@ -130,11 +133,13 @@ def layers(args) -> None:
 
 def _cp_worker(rank: int, world: int, store_path: str, spec: dict, out_path: str) -> None:
     import torch.distributed as dist
+    import transformers
 
     import hf_blockdiag_cp as bd
     from hf_blockdiag_cp.conformance.runs import build_model
     torch.set_num_threads(1)
     warnings.filterwarnings("ignore")
+    transformers.logging.set_verbosity_error()  # the kernels' "falling back to PyTorch" notes, once per process
     os.environ[ENV] = spec["backend"]
     group = None
     if world > 1:
@@ -159,34 +164,39 @@ def _cp_worker(rank: int, world: int, store_path: str, spec: dict, out_path: str
         driver.gather = eager
     times = []
     waited = bd.comm_stats(batch["cp_context"]).waited_s if group is not None else {}
-    for i in range(spec["steps"] + 1):
+    for i in range(spec["warmup"] + spec["steps"]):
         if group is not None:
             dist.barrier()
         before = waited.get(GATHER, 0.0)
-        start, cpu = time.perf_counter(), time.process_time()
+        start, cpu, usage = time.perf_counter(), time.process_time(), resource.getrusage(resource.RUSAGE_SELF)
         model.zero_grad(set_to_none=True)
         out = model(**batch)
         out.loss.backward()
-        cpu = time.process_time() - cpu
+        cpu, after = time.process_time() - cpu, resource.getrusage(resource.RUSAGE_SELF)
         if group is not None:  # the gradient all-reduce of data parallelism is not part of the CP cost
             dist.barrier()
-        if i:
-            times.append((time.perf_counter() - start, cpu, waited.get(GATHER, 0.0) - before))
+        if i >= spec["warmup"]:
+            # the kernel's share (page faults, gloo's socket calls) apart: the user time is the package's compute
+            times.append((time.perf_counter() - start, cpu, waited.get(GATHER, 0.0) - before,
+                          after.ru_utime - usage.ru_utime, after.ru_stime - usage.ru_stime))
     Path(f"{out_path}.{rank}").write_text(json.dumps(times))
     if group is not None:
         dist.destroy_process_group()
 
 
-def _cp_time(world: int, spec: dict) -> tuple[float, float, float]:
-    """(wall, CPU, recurrent gather wait) seconds of one step: per step the slowest rank, median over steps. CP = 1
-    runs in a spawned process too, like every CP size (the same start, imports and allocator history)."""
+def _cp_time(world: int, spec: dict) -> tuple[float, ...]:
+    """(wall, CPU, recurrent gather wait, user CPU, system CPU) seconds of one step: per step the slowest rank (its
+    wall, CPU and wait) and the busiest rank's user and system parts of its CPU time, median over steps. CP = 1 runs
+    in a spawned process too, like every CP size (the same start, imports and allocator history)."""
     import torch.multiprocessing as mp
     with tempfile.TemporaryDirectory() as tmp:
         store, out = os.path.join(tmp, "store"), os.path.join(tmp, "times")
         mp.start_processes(_cp_worker, args=(world, store, spec, out), nprocs=world, start_method="spawn")
         per_rank = [json.loads(Path(f"{out}.{r}").read_text()) for r in range(world)]
-    steps = list(zip(*per_rank))  # per step, each rank's (wall, cpu)
-    return tuple(statistics.median(max(r[k] for r in step) for step in steps) for k in range(3))
+    steps = list(zip(*per_rank))  # per step, each rank's (wall, cpu, wait, user, sys)
+    slowest = tuple(statistics.median(max(r[k] for r in step) for step in steps) for k in range(3))
+    busiest = [max(step, key=lambda r: r[1]) for step in steps]
+    return slowest + tuple(statistics.median(r[k] for r in busiest) for k in (3, 4))
 
 
 def _spread(values: list[float]) -> str:
@@ -199,24 +209,28 @@ def cp(args) -> None:
     worlds = [w for w in args.worlds if w > 1]
     for model in args.models:
         print(f"# {model}, one training step (fwd+bwd) on a {args.tokens}-token row, docs {lens}, one thread per "
-              f"rank, median of {args.steps} steps per run, {args.rounds} rounds (CP = 1 and each CP = P in turn); "
+              f"rank, median of {args.steps} steps per run after {args.warmup} untimed, {args.rounds} rounds (CP = 1 "
+              f"and each CP = P in turn); "
               f"CP = P / CP = 1: per round the busiest rank's CPU time over CP = 1's (wall in brackets), median "
-              f"[min-max] over the rounds; wait: the most any rank waited per step for its recurrent summary gathers"
-              f"{' (no overlap)' if args.no_overlap else ''}")
-        print("| recurrent_backend | CP = 1 CPU (wall) | " + " | ".join(
-            f"CP = {w} CPU (wall) | CP = {w} / CP = 1 CPU | (wall) | CP = {w} wait" for w in worlds) + " |")
-        print("|---|---|" + "---|---|---|---|" * len(worlds))
+              f"[min-max] over the rounds; user: the same ratio of user CPU time alone (the busiest rank's; the "
+              f"system time, sys, is the kernel's: page faults, gloo's socket calls); wait: the most any rank "
+              f"waited per step for its recurrent summary gathers{' (no overlap)' if args.no_overlap else ''}")
+        print("| recurrent_backend | CP = 1 CPU (wall) | CP = 1 sys | " + " | ".join(
+            f"CP = {w} CPU (wall) | CP = {w} / CP = 1 CPU | (wall) | (user) | CP = {w} sys | CP = {w} wait"
+            for w in worlds) + " |")
+        print("|---|---|---|" + "---|---|---|---|---|---|" * len(worlds))
         for backend in args.backends:
             spec = {"backend": backend, "seed": args.seed, "lens": lens, "tokens": args.tokens, "steps": args.steps,
-                    "model": model, "no_overlap": args.no_overlap}
+                    "warmup": args.warmup, "model": model, "no_overlap": args.no_overlap}
             # The machine's speed drifts (a shared VM: CP = 1 alone measured 1.65-2.04 s within ten minutes), so
             # CP = 1 and CP = P alternate and each round's ratio compares neighbouring runs.
             rounds = [[_cp_time(w, spec) for w in (1, *worlds)] for _ in range(args.rounds)]
             med = lambda i, k: statistics.median(r[i][k] for r in rounds)  # noqa: E731
-            cells = [f"{med(0, 1) * 1e3:.0f} ms ({med(0, 0) * 1e3:.0f})"]
+            cells = [f"{med(0, 1) * 1e3:.0f} ms ({med(0, 0) * 1e3:.0f})", f"{med(0, 4) * 1e3:.0f} ms"]
             for j, world in enumerate(worlds, start=1):
                 cells += [f"{med(j, 1) * 1e3:.0f} ms ({med(j, 0) * 1e3:.0f})",
                           _spread([r[j][1] / r[0][1] for r in rounds]), _spread([r[j][0] / r[0][0] for r in rounds]),
+                          _spread([r[j][3] / r[0][3] for r in rounds]), f"{med(j, 4) * 1e3:.0f} ms",
                           f"{med(j, 2) * 1e3:.1f} ms"]
             print(f"| {backend} | " + " | ".join(cells) + " |", flush=True)
 
@@ -229,6 +243,9 @@ def main() -> None:
     parser.add_argument("--docs", type=int, default=8, help="lognormal documents in the row (default 8)")
     parser.add_argument("--repeats", type=int, default=3, help="--part layers: timed runs, median (default 3)")
     parser.add_argument("--steps", type=int, default=3, help="--part cp: timed steps per run, median (default 3)")
+    parser.add_argument("--warmup", type=int, default=3,
+                        help="--part cp: untimed steps first (default 3: the allocator settles; one process still "
+                             "page-faults ~50-450 ms of system time per step in its first three steps)")
     parser.add_argument("--rounds", type=int, default=3,
                         help="--part cp: rounds of CP = 1 and each CP = P in turn; ratios per round (default 3)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the document lengths, tokens and weights")
