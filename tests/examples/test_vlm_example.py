@@ -15,6 +15,7 @@ from tests.launch import launch_example
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(300)]
 
 
+@pytest.mark.slow  # ~10 s: two launched ranks
 def test_vlm_example_at_cp2_loss_falls_and_matches_each_document_alone(tmp_path):
     summary = tmp_path / "summary.json"
     proc = launch_example("train_vlm_packed_cp.py", "--check-parity", "--no-progress", "--summary-json",

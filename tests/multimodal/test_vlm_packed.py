@@ -131,6 +131,7 @@ def _splits_an_image(collator, docs, ctx, world: int) -> bool:
 
 
 @pytest.mark.distributed
+@pytest.mark.slow  # ~9 s: every VLM family at CP = 2 in one spawn
 @pytest.mark.timeout(600)
 def test_packed_rows_at_cp2():
     for rank, res in enumerate(run_ranks(_cp_worker, 2, SERVED, timeout=500)):
