@@ -13,9 +13,9 @@ the cost floor; the acceptance bound is ratio <= 1.5). ``tiny-qwen3-next`` is th
 ``tiny-nemotron-h.json``, Mamba2 / SSD) on one packed row of ``--tokens`` tokens: CP = 1 (one process, one thread)
 vs CP = P for each of ``--worlds`` (P gloo processes, one thread each, the placement the collator chooses for the
 model), per recurrent backend; the bounds (issue 36) are CP = 2 / CP = 1 <= 0.52 and CP = 4 / CP = 1 <= 0.28. Wall
-time per step (the slowest rank) and the CPU time the busiest rank spent in the step (``time.process_time``: on a
-shared, loaded machine the processes compete for cores with other work, which inflates wall time but not CPU time;
-gloo waits block) with its user and system parts apart (``getrusage``: system time is page faults and gloo's socket
+time per step (the slowest rank) and the CPU time the busiest rank spent in the step (``getrusage``, user plus
+system: on a shared, loaded machine the processes compete for cores with other work, which inflates wall time but
+not CPU time; gloo waits block), its user and system parts also apart (system time is page faults and gloo's socket
 calls, not the package's compute), after ``--warmup`` untimed steps (a process's allocator settles in ~3), and the
 most any rank waited per step for its recurrent summary gathers (``comm_stats``'s
 ``waited_s``; ``--no-overlap`` waits for each gather as soon as it started, the comparison for the overlap of the
@@ -168,17 +168,17 @@ def _cp_worker(rank: int, world: int, store_path: str, spec: dict, out_path: str
         if group is not None:
             dist.barrier()
         before = waited.get(GATHER, 0.0)
-        start, cpu, usage = time.perf_counter(), time.process_time(), resource.getrusage(resource.RUSAGE_SELF)
+        start, usage = time.perf_counter(), resource.getrusage(resource.RUSAGE_SELF)
         model.zero_grad(set_to_none=True)
         out = model(**batch)
         out.loss.backward()
-        cpu, after = time.process_time() - cpu, resource.getrusage(resource.RUSAGE_SELF)
+        after = resource.getrusage(resource.RUSAGE_SELF)
         if group is not None:  # the gradient all-reduce of data parallelism is not part of the CP cost
             dist.barrier()
         if i >= spec["warmup"]:
             # the kernel's share (page faults, gloo's socket calls) apart: the user time is the package's compute
-            times.append((time.perf_counter() - start, cpu, waited.get(GATHER, 0.0) - before,
-                          after.ru_utime - usage.ru_utime, after.ru_stime - usage.ru_stime))
+            user, system = after.ru_utime - usage.ru_utime, after.ru_stime - usage.ru_stime
+            times.append((time.perf_counter() - start, user + system, waited.get(GATHER, 0.0) - before, user, system))
     Path(f"{out_path}.{rank}").write_text(json.dumps(times))
     if group is not None:
         dist.destroy_process_group()
@@ -261,6 +261,9 @@ def main() -> None:
                         help="--part cp: wait for each recurrent summary gather at once (the comparison)")
     parser.add_argument("--mamba-backward", action="store_true", help="also time the stock Mamba1 backward")
     args = parser.parse_args()
+    for flag, value, least in (("--steps", args.steps, 1), ("--rounds", args.rounds, 1), ("--warmup", args.warmup, 0)):
+        if value < least:
+            parser.error(f"{flag} {value}: must be >= {least}")
     torch.set_num_threads(1)
     warnings.filterwarnings("ignore")
     import transformers
