@@ -22,7 +22,10 @@ most any rank waited per step for its recurrent summary gathers (``comm_stats``'
 gather with the fragments that need no incoming state). Processes meet through a file store in a temporary
 directory (no port). Every run is a spawn (CP = 1 too); ``--rounds`` rounds run CP = 1 and each CP = P in turn and the
 ratio is taken per round (median and range printed): this VM's speed drifts by up to 20 % over minutes, more than
-the differences the bounds ask about.
+the differences the bounds ask about. ``--floor`` adds, per CP size, the same P processes without CP (each rank's
+shard as a one-process packed row, its attention time swapped for CP = 1's share: :mod:`cp_floor`), what P processes
+cost on this machine before any CP code runs; ``--keep-heap`` fixes glibc's heap trim threshold in every process (a CP
+rank otherwise gives its heap back at the end of a step and page-faults it in again in the next).
 
 transformers' Mamba1 fallback backward is quadratic in the length (hours at 16K), so ``mamba`` is timed forward
 only (marked ``fwd``) unless ``--mamba-backward``.
@@ -30,7 +33,7 @@ only (marked ``fwd``) unless ``--mamba-backward``.
     python benchmarks/bench_recurrent_layers.py --part layers            # 16K tokens, 8 docs
     python benchmarks/bench_recurrent_layers.py --part cp --steps 3
     python benchmarks/bench_recurrent_layers.py --part cp --backends auto --worlds 2 4 \
-        --models tiny-qwen3-next tiny-nemotron-h
+        --models tiny-qwen3-next tiny-nemotron-h [--floor --keep-heap]
     python benchmarks/bench_recurrent_layers.py --part layers --types gdn ssd --tokens 4096
 """
 
@@ -38,6 +41,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import functools
 import json
 import os
 import resource
@@ -55,6 +59,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from bench_recurrent_ops import lognormal_lengths  # noqa: E402
+from cp_floor import AttentionClock, floor_cpu, keep_heap, shard_documents  # noqa: E402
 
 from hf_blockdiag_cp.recurrent.runs import GATHER  # noqa: E402
 
@@ -140,18 +145,26 @@ def _cp_worker(rank: int, world: int, store_path: str, spec: dict, out_path: str
     torch.set_num_threads(1)
     warnings.filterwarnings("ignore")
     transformers.logging.set_verbosity_error()  # the kernels' "falling back to PyTorch" notes, once per process
+    if spec["keep_heap"] and not keep_heap():
+        raise RuntimeError("--keep-heap needs glibc's mallopt")
     os.environ[ENV] = spec["backend"]
     group = None
-    if world > 1:
+    alone = spec.get("alone", 0)  # the floor: this rank's shard of CP = alone, in one process
+    if world > 1 and not alone:
         dist.init_process_group("gloo", init_method=f"file://{store_path}", rank=rank, world_size=world)
         group = dist.group.WORLD
     config = _config(spec["model"])
     model = build_model(config, "blockdiag_cp").train()
     gen = torch.Generator().manual_seed(spec["seed"])
     docs = [torch.randint(3, config.vocab_size - 2, (n,), generator=gen).tolist() for n in spec["lens"]]
-    collator = bd.PackingCollator(spec["tokens"], group=group, pad_token_id=config.pad_token_id, model_config=config,
-                                  config=bd.BlockDiagCPConfig(recurrent_backend=spec["backend"]))
-    batch = collator([{"input_ids": d} for d in docs])
+    make = functools.partial(bd.PackingCollator, pad_token_id=config.pad_token_id, model_config=config,
+                             config=bd.BlockDiagCPConfig(recurrent_backend=spec["backend"]))
+    if alone:
+        shard = make(spec["tokens"], cp_size=alone, cp_rank=rank)([{"input_ids": d} for d in docs])
+        batch = make(spec["tokens"] // alone)([{"input_ids": d} for d in shard_documents(shard)])
+    else:
+        batch = make(spec["tokens"], group=group)([{"input_ids": d} for d in docs])
+    clock = AttentionClock(model) if spec["floor"] else None
     if spec.get("no_overlap"):  # the comparison: wait for each summary gather as soon as it started
         from hf_blockdiag_cp.recurrent import driver
         started = driver.gather
@@ -167,6 +180,8 @@ def _cp_worker(rank: int, world: int, store_path: str, spec: dict, out_path: str
     for i in range(spec["warmup"] + spec["steps"]):
         if group is not None:
             dist.barrier()
+        if clock is not None:
+            clock.reset()
         before = waited.get(GATHER, 0.0)
         start, usage = time.perf_counter(), resource.getrusage(resource.RUSAGE_SELF)
         model.zero_grad(set_to_none=True)
@@ -178,25 +193,28 @@ def _cp_worker(rank: int, world: int, store_path: str, spec: dict, out_path: str
         if i >= spec["warmup"]:
             # the kernel's share (page faults, gloo's socket calls) apart: the user time is the package's compute
             user, system = after.ru_utime - usage.ru_utime, after.ru_stime - usage.ru_stime
-            times.append((time.perf_counter() - start, user + system, waited.get(GATHER, 0.0) - before, user, system))
+            times.append((time.perf_counter() - start, user + system, waited.get(GATHER, 0.0) - before, user, system,
+                          clock.seconds if clock is not None else 0.0))
     Path(f"{out_path}.{rank}").write_text(json.dumps(times))
     if group is not None:
         dist.destroy_process_group()
 
 
-def _cp_time(world: int, spec: dict) -> tuple[float, ...]:
+def _cp_time(world: int, spec: dict) -> tuple[tuple[float, ...], list[tuple[float, float]]]:
     """(wall, CPU, recurrent gather wait, user CPU, system CPU) seconds of one step: per step the slowest rank (its
-    wall, CPU and wait) and the busiest rank's user and system parts of its CPU time, median over steps. CP = 1 runs
-    in a spawned process too, like every CP size (the same start, imports and allocator history)."""
+    wall, CPU and wait) and the busiest rank's user and system parts of its CPU time, median over steps; and each
+    rank's median (CPU, attention CPU). CP = 1 runs in a spawned process too, like every CP size (the same start,
+    imports and allocator history); with ``spec["alone"]`` the ``world`` processes share no group (the floor)."""
     import torch.multiprocessing as mp
     with tempfile.TemporaryDirectory() as tmp:
         store, out = os.path.join(tmp, "store"), os.path.join(tmp, "times")
         mp.start_processes(_cp_worker, args=(world, store, spec, out), nprocs=world, start_method="spawn")
         per_rank = [json.loads(Path(f"{out}.{r}").read_text()) for r in range(world)]
-    steps = list(zip(*per_rank))  # per step, each rank's (wall, cpu, wait, user, sys)
+    steps = list(zip(*per_rank))  # per step, each rank's (wall, cpu, wait, user, sys, attention)
     slowest = tuple(statistics.median(max(r[k] for r in step) for step in steps) for k in range(3))
     busiest = [max(step, key=lambda r: r[1]) for step in steps]
-    return slowest + tuple(statistics.median(r[k] for r in busiest) for k in (3, 4))
+    ranks = [(statistics.median(s[1] for s in rank), statistics.median(s[5] for s in rank)) for rank in per_rank]
+    return slowest + tuple(statistics.median(r[k] for r in busiest) for k in (3, 4)), ranks
 
 
 def _spread(values: list[float]) -> str:
@@ -215,23 +233,36 @@ def cp(args) -> None:
               f"[min-max] over the rounds; user: the same ratio of user CPU time alone (the busiest rank's; the "
               f"system time, sys, is the kernel's: page faults, gloo's socket calls); wait: the most any rank "
               f"waited per step for its recurrent summary gathers{' (no overlap)' if args.no_overlap else ''}")
+        if args.floor:
+            print("floor columns: alone / CP = 1: the busiest of P processes at once that each run one rank's shard "
+                  "as a one-process packed row (its fragments as documents, no CP) over CP = 1's CPU time; floor: "
+                  "the same with each shard's own attention time swapped for CP = 1's / P (benchmarks/cp_floor.py)")
+        floor_head = lambda w: f" | CP = {w} alone / CP = 1 | CP = {w} floor" if args.floor else ""  # noqa: E731
         print("| recurrent_backend | CP = 1 CPU (wall) | CP = 1 sys | " + " | ".join(
             f"CP = {w} CPU (wall) | CP = {w} / CP = 1 CPU | (wall) | (user) | CP = {w} sys | CP = {w} wait"
-            for w in worlds) + " |")
-        print("|---|---|---|" + "---|---|---|---|---|---|" * len(worlds))
+            + floor_head(w) for w in worlds) + " |")
+        print("|---|---|---|" + ("---|---|---|---|---|---|" + "---|---|" * args.floor) * len(worlds))
         for backend in args.backends:
             spec = {"backend": backend, "seed": args.seed, "lens": lens, "tokens": args.tokens, "steps": args.steps,
-                    "warmup": args.warmup, "model": model, "no_overlap": args.no_overlap}
+                    "warmup": args.warmup, "model": model, "no_overlap": args.no_overlap, "floor": args.floor,
+                    "keep_heap": args.keep_heap}
             # The machine's speed drifts (a shared VM: CP = 1 alone measured 1.65-2.04 s within ten minutes), so
-            # CP = 1 and CP = P alternate and each round's ratio compares neighbouring runs.
-            rounds = [[_cp_time(w, spec) for w in (1, *worlds)] for _ in range(args.rounds)]
-            med = lambda i, k: statistics.median(r[i][k] for r in rounds)  # noqa: E731
+            # CP = 1 and CP = P (and its floor) alternate and each round's ratio compares neighbouring runs.
+            rounds, alone = [], []
+            for _ in range(args.rounds):
+                rounds.append([_cp_time(w, spec) for w in (1, *worlds)])
+                if args.floor:
+                    alone.append([_cp_time(w, {**spec, "alone": w})[1] for w in worlds])
+            med = lambda i, k: statistics.median(r[i][0][k] for r in rounds)  # noqa: E731
             cells = [f"{med(0, 1) * 1e3:.0f} ms ({med(0, 0) * 1e3:.0f})", f"{med(0, 4) * 1e3:.0f} ms"]
             for j, world in enumerate(worlds, start=1):
-                cells += [f"{med(j, 1) * 1e3:.0f} ms ({med(j, 0) * 1e3:.0f})",
-                          _spread([r[j][1] / r[0][1] for r in rounds]), _spread([r[j][0] / r[0][0] for r in rounds]),
-                          _spread([r[j][3] / r[0][3] for r in rounds]), f"{med(j, 4) * 1e3:.0f} ms",
-                          f"{med(j, 2) * 1e3:.1f} ms"]
+                ratio = lambda k: _spread([r[j][0][k] / r[0][0][k] for r in rounds])  # noqa: E731
+                cells += [f"{med(j, 1) * 1e3:.0f} ms ({med(j, 0) * 1e3:.0f})", ratio(1), ratio(0), ratio(3),
+                          f"{med(j, 4) * 1e3:.0f} ms", f"{med(j, 2) * 1e3:.1f} ms"]
+                if args.floor:
+                    one = [(r[0][0][1], r[0][1][0][1]) for r in rounds]  # CP = 1's (CPU, attention CPU) per round
+                    cells += [_spread([max(c for c, _ in a[j - 1]) / cpu for a, (cpu, _) in zip(alone, one)]),
+                              _spread([floor_cpu(a[j - 1], att, world) / cpu for a, (cpu, att) in zip(alone, one)])]
             print(f"| {backend} | " + " | ".join(cells) + " |", flush=True)
 
 
@@ -259,6 +290,10 @@ def main() -> None:
                         help="--part cp: CP sizes to compare with CP = 1 (default 2)")
     parser.add_argument("--no-overlap", action="store_true",
                         help="--part cp: wait for each recurrent summary gather at once (the comparison)")
+    parser.add_argument("--floor", action="store_true",
+                        help="--part cp: also run each CP size's shards without CP, the no-CP floor (cp_floor.py)")
+    parser.add_argument("--keep-heap", action="store_true",
+                        help="--part cp: fix glibc's heap trim threshold in every process (no per-step page faults)")
     parser.add_argument("--mamba-backward", action="store_true", help="also time the stock Mamba1 backward")
     args = parser.parse_args()
     for flag, value, least in (("--steps", args.steps, 1), ("--rounds", args.rounds, 1), ("--warmup", args.warmup, 0)):

@@ -143,3 +143,55 @@ def test_vlm_bench_plot(tmp_path):
                    "media_kib": 10.0, "kv_kib": 5.0} for s in (1024, 2048)}
     bench.plot(results, str(tmp_path / "vlm.png"))
     assert (tmp_path / "vlm.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_cp_floor_shards_cover_every_document_once_in_pieces():
+    """bench_recurrent_layers.py --floor's shards (cp_floor.shard_documents): over the ranks, every document's tokens
+    exactly once, each piece a contiguous run of one document, and a document cut by the placement in pieces."""
+    import hf_blockdiag_cp as bd
+    floor = _bench("cp_floor")
+    lengths, base, docs = [700, 90, 300, 500, 200], 1, []
+    for n in lengths:  # token ids unique over the row: a piece's first id names its document and offset
+        docs.append(list(range(base, base + n)))
+        base += n
+    for world, placement in ((2, "balanced"), (4, "balanced"), (4, "contiguous"), (4, "mirror")):
+        pieces = []
+        for rank in range(world):
+            batch = bd.PackingCollator(2048, cp_size=world, cp_rank=rank, pad_token_id=0, vocab_size=base,
+                                       placement=placement)([{"input_ids": d} for d in docs])
+            pieces += floor.shard_documents(batch)
+        assert all(p == list(range(p[0], p[0] + len(p))) for p in pieces), placement  # contiguous runs
+        owner = {t: i for i, d in enumerate(docs) for t in d}
+        assert all(owner[p[0]] == owner[p[-1]] for p in pieces), placement  # never across a document boundary
+        assert sorted(t for p in pieces for t in p) == list(range(1, base)), placement  # every token once
+        assert len(pieces) > len(docs), (world, placement)  # some document is cut
+
+
+def test_cp_floor_attention_clock_and_floor_arithmetic():
+    """cp_floor.AttentionClock times a tiny hybrid's attention layers forward and backward (more than the forward
+    alone, nothing after a reset), refuses a model without one; floor_cpu swaps each shard's attention time for CP = 1's
+    share and takes the busiest."""
+    import torch
+    from transformers import AutoConfig
+
+    from hf_blockdiag_cp.conformance.runs import build_model
+    floor = _bench("cp_floor")
+    config = AutoConfig.from_pretrained(ROOT / "configs" / "model" / "tiny-qwen3-next.json")
+    model = build_model(config, "sdpa").train()
+    clock = floor.AttentionClock(model)
+    ids = torch.randint(3, 250, (1, 256))
+    with torch.no_grad():
+        model(input_ids=ids)
+    forward = clock.seconds
+    assert forward > 0
+    model(input_ids=ids).logits.sum().backward()
+    assert clock.seconds > 2 * forward
+    clock.reset()
+    assert clock.seconds == 0.0
+    plain = torch.nn.Module()
+    plain.model = torch.nn.Module()
+    plain.model.layers = torch.nn.ModuleList([torch.nn.Sequential(torch.nn.Linear(4, 4))])
+    with pytest.raises(ValueError, match="no attention layer"):
+        floor.AttentionClock(plain)
+    assert floor.keep_heap() in (True, False)
+    assert floor.floor_cpu([(1.0, 0.2), (0.9, 0.05)], 0.6, 2) == pytest.approx(max(1.0 - 0.2, 0.9 - 0.05) + 0.3)
