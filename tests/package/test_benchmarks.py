@@ -167,10 +167,12 @@ def test_cp_floor_shards_cover_every_document_once_in_pieces():
         assert len(pieces) > len(docs), (world, placement)  # some document is cut
 
 
-def test_cp_floor_attention_clock_and_floor_arithmetic():
-    """cp_floor.AttentionClock times a tiny hybrid's attention layers forward and backward (more than the forward
-    alone, nothing after a reset), refuses a model without one; floor_cpu swaps each shard's attention time for CP = 1's
-    share and takes the busiest."""
+def test_cp_floor_attention_clock_and_floor_arithmetic(monkeypatch):
+    """cp_floor.AttentionClock times a tiny hybrid's one attention layer forward and, once, backward (a clock that
+    ticks by one per reading: each timed range reads it twice in a row), nothing after a reset; refuses a model without
+    an attention layer; floor_cpu swaps each shard's attention time for CP = 1's share and takes the busiest."""
+    import itertools
+
     import torch
     from transformers import AutoConfig
 
@@ -179,13 +181,14 @@ def test_cp_floor_attention_clock_and_floor_arithmetic():
     config = AutoConfig.from_pretrained(ROOT / "configs" / "model" / "tiny-qwen3-next.json")
     model = build_model(config, "sdpa").train()
     clock = floor.AttentionClock(model)
-    ids = torch.randint(3, 250, (1, 256))
+    ids = torch.randint(3, 250, (1, 64))
+    ticks = itertools.count()
+    monkeypatch.setattr(floor.time, "thread_time", lambda: float(next(ticks)))
     with torch.no_grad():
         model(input_ids=ids)
-    forward = clock.seconds
-    assert forward > 0
+    assert clock.seconds == 1.0  # one attention layer's forward
     model(input_ids=ids).logits.sum().backward()
-    assert clock.seconds > 2 * forward
+    assert clock.seconds == 3.0  # its forward and its backward, once each
     clock.reset()
     assert clock.seconds == 0.0
     plain = torch.nn.Module()
