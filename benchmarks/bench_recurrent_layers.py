@@ -299,6 +299,9 @@ def main() -> None:
     for flag, value, least in (("--steps", args.steps, 1), ("--rounds", args.rounds, 1), ("--warmup", args.warmup, 0)):
         if value < least:
             parser.error(f"{flag} {value}: must be >= {least}")
+    bad = [w for w in args.worlds if w < 1 or args.tokens % w]
+    if args.part == "cp" and bad:
+        parser.error(f"--worlds {bad[0]}: must be >= 1 and divide --tokens {args.tokens}")
     torch.set_num_threads(1)
     warnings.filterwarnings("ignore")
     import transformers

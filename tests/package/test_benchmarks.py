@@ -198,3 +198,15 @@ def test_cp_floor_attention_clock_and_floor_arithmetic(monkeypatch):
         floor.AttentionClock(plain)
     assert floor.keep_heap() in (True, False)
     assert floor.floor_cpu([(1.0, 0.2), (0.9, 0.05)], 0.6, 2) == pytest.approx(max(1.0 - 0.2, 0.9 - 0.05) + 0.3)
+
+
+@pytest.mark.parametrize("argv, message", [(["--warmup", "-1"], "--warmup -1: must be >= 0"),
+                                           (["--worlds", "2", "3", "--tokens", "2048"],
+                                            "--worlds 3: must be >= 1 and divide --tokens 2048")])
+def test_recurrent_layers_bench_names_the_bad_flag(argv, message, monkeypatch, capsys):
+    """bench_recurrent_layers.py --part cp: an out-of-range option is a usage error naming it, before any spawn."""
+    bench = _bench("bench_recurrent_layers")
+    monkeypatch.setattr("sys.argv", ["bench_recurrent_layers.py", "--part", "cp", *argv])
+    with pytest.raises(SystemExit) as exit_info:
+        bench.main()
+    assert exit_info.value.code == 2 and message in capsys.readouterr().err
