@@ -18,30 +18,21 @@ from typing import Any
 
 import torch
 
+from hf_blockdiag_cp.planning.fragments import local_fragments
+
 __all__ = ["AttentionClock", "floor_cpu", "keep_heap", "shard_documents"]
 
 
 def shard_documents(batch: dict[str, Any]) -> list[list[int]]:
-    """The token ids of this rank's fragments in local order (maximal runs of one document at consecutive global
-    positions) from a CP collator's ``batch`` of one row; padding dropped."""
+    """The token ids of this rank's fragments in local order (the package's own
+    :func:`~hf_blockdiag_cp.planning.fragments.local_fragments`) from a CP collator's ``batch`` of one row; padding
+    dropped."""
     ctx = batch["cp_context"]
     if ctx.batch_size != 1:
         raise ValueError(f"shard_documents reads one packed row, got {ctx.batch_size}")
     tokens = batch["input_ids"][0].tolist()
-    positions = ctx.local_index.tolist()
-    docs = ctx.doc_ids[0].index_select(0, ctx.local_index).tolist()
-    out: list[list[int]] = []
-    last: tuple[int, int] | None = None  # (document, global position) of the previous kept token
-    for token, doc, pos in zip(tokens, docs, positions):
-        if doc == 0:
-            last = None
-            continue
-        if last is not None and last == (doc, pos - 1):
-            out[-1].append(token)
-        else:
-            out.append([token])
-        last = (doc, pos)
-    return out
+    (row,) = local_fragments(ctx.doc_ids, ctx.local_index)
+    return [tokens[f.start:f.start + f.length] for f in row if f.doc != 0]
 
 
 class _Mark(torch.autograd.Function):
