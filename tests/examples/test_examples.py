@@ -254,6 +254,9 @@ def test_example_with_a_tiny_hybrid_model_keeps_parity(tmp_path):
 
 # ---- set-up mistakes under the real launcher: the user's last line is the example's ----------------------
 
+#: What libstdc++ prints when torch's launcher process aborts on its way out (exit status -6).
+TORCH_AGENT_ABORT = "terminate called without an active exception"
+
 
 @pytest.mark.distributed
 @pytest.mark.slow
@@ -271,7 +274,12 @@ def test_set_up_mistake_under_accelerate_launch_ends_with_the_examples_line(scri
     the launcher, which then exits 143 without a report); only torch's agent logs its shutdown before it."""
     proc = launch_example(script, *argv, "--steps", "1", "--no-progress", timeout=180)
     lines = [text for text in proc.output.splitlines() if text.strip()]
-    assert proc.returncode == 143, proc.output[-4000:]
+    if proc.returncode == -6 and lines[-1] == TORCH_AGENT_ABORT:
+        # torch's agent itself now and then aborts (std::terminate) on its way out after the SIGTERM, seen once in
+        # ~10 CI runs: not the example's doing, and the example's line is still the last one before it
+        lines = lines[:-1]
+    else:
+        assert proc.returncode == 143, proc.output[-4000:]
     assert lines[-1] == line, proc.output[-4000:]
     assert len(lines) <= 6 and "Traceback" not in proc.output and proc.output.count("error:") == 1, proc.output
 
