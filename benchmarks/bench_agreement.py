@@ -95,7 +95,7 @@ def _worker(rank: int, args: argparse.Namespace, port: int) -> None:
               f"{100 * agreement / with_agreement:.1f}%)")
         print(f"step without it:       {without * 1e6:8.0f} us  (A/B difference "
               f"{1e6 * (with_agreement - without):.0f} us)")
-    dist.destroy_process_group()
+    bd.training.close_process_groups()
 
 
 def main() -> None:

@@ -32,6 +32,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from hf_blockdiag_cp.planning.documents import document_spans  # noqa: E402
 from hf_blockdiag_cp.planning.exchange import plan_exchange  # noqa: E402
 from hf_blockdiag_cp.planning.placement import Placement, make_placement, rank_work  # noqa: E402
+from hf_blockdiag_cp.training import close_process_groups  # noqa: E402
 
 SCHEMES = ("contiguous", "zigzag", "headtail", "balanced")
 
@@ -223,7 +224,7 @@ def _measure_worker(rank: int, world: int, port: int, full_len: int, seeds: list
             out[(seed, placement)] = (statistics.median(times), statistics.median(walls),
                                       float(simulated.max() / simulated.mean()))
     results.put((rank, out))
-    dist.destroy_process_group()
+    close_process_groups()
 
 
 def measure(cp_size: int, full_len: int, seeds: list[int], steps: int) -> dict:

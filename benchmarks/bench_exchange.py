@@ -34,6 +34,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from hf_blockdiag_cp import BlockDiagCPConfig  # noqa: E402
 from hf_blockdiag_cp.planning.exchange import plan_exchange  # noqa: E402
+from hf_blockdiag_cp.training import close_process_groups  # noqa: E402
 
 
 def lognormal_row(full_len: int, mean: float, sigma: float, gen: torch.Generator) -> torch.Tensor:
@@ -121,7 +122,7 @@ def _timing_worker(rank: int, world: int, port: int, full_len: int, iters: int, 
         out[strategy] = (ctx.exchange.strategy, statistics.median(times["exchange"]), statistics.median(times["layer"]),
                          ctx.exchange.rows_received(rank))
     results.put((rank, out))
-    dist.destroy_process_group()
+    close_process_groups()
 
 
 def timing(cp_sizes: list[int], full_len: int, iters: int) -> None:
@@ -180,7 +181,7 @@ def _gather_worker(rank: int, world: int, store: str, calls: int, rows: int, wid
     exchange._direct = direct
     with open(f"{out}.{rank}", "w") as f:
         json.dump({f"{p}|{q}": v for (p, q), v in times.items()}, f)
-    dist.destroy_process_group()
+    close_process_groups()
 
 
 def gathers(cp_sizes: list[int], calls: int, rows: int = 2, width: int = 2000) -> None:

@@ -79,7 +79,7 @@ def _worker(rank: int, world: int, port: int, full_len: int, iters: int, results
             moved, chosen = comm_stats(ctx).sent_bytes, ctx.ulysses_size
         out[u] = (chosen, statistics.median(times), moved, min(times), max(times))
     results.put((rank, out))
-    dist.destroy_process_group()
+    bd.training.close_process_groups()
 
 
 def measure(world: int, full_len: int, iters: int) -> dict:

@@ -43,6 +43,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from hf_blockdiag_cp.planning.fragments import plan_fragments  # noqa: E402
 from hf_blockdiag_cp.planning.placement import make_placement  # noqa: E402
 from hf_blockdiag_cp.recurrent.head_parallel import head_parallel_bytes  # noqa: E402
+from hf_blockdiag_cp.training import close_process_groups  # noqa: E402
 
 MIB = 2 ** 20
 
@@ -159,7 +160,7 @@ def _worker(rank: int, world: int, port: int, lengths_by_len: dict, results) -> 
                 out[(kind, full_len, layout)] = (sent // layers, _formula(kind, config, layout, ctx.local_len, world,
                                                                           slots), slots)
     results.put((rank, out))
-    dist.destroy_process_group()
+    close_process_groups()
 
 
 def _free_port() -> int:

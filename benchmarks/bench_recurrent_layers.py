@@ -62,6 +62,7 @@ from bench_recurrent_ops import lognormal_lengths  # noqa: E402
 from cp_floor import AttentionClock, floor_cpu, keep_heap, shard_documents  # noqa: E402
 
 from hf_blockdiag_cp.recurrent.runs import GATHER  # noqa: E402
+from hf_blockdiag_cp.training import close_process_groups  # noqa: E402
 
 #: Per mixer type: (model type, config overrides making its one decoder layer that mixer).
 LAYERS: dict[str, tuple[str, dict]] = {
@@ -197,7 +198,7 @@ def _cp_worker(rank: int, world: int, store_path: str, spec: dict, out_path: str
                           clock.seconds if clock is not None else 0.0))
     Path(f"{out_path}.{rank}").write_text(json.dumps(times))
     if group is not None:
-        dist.destroy_process_group()
+        close_process_groups()
 
 
 def _cp_time(world: int, spec: dict) -> tuple[tuple[float, ...], list[tuple[float, float]]]:

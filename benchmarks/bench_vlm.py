@@ -183,7 +183,9 @@ def _worker(rank: int, world: int, store_path: str, task: dict, out_path: str) -
         out = [_time_case(s, task["seed"], task["repeats"], rank, world) for s in task["seq_lens"]]
     Path(f"{out_path}.{rank}").write_text(json.dumps(out))
     if world > 1:
-        dist.destroy_process_group()
+        from hf_blockdiag_cp.training import close_process_groups
+
+        close_process_groups()
 
 
 def _run(world: int, task: dict) -> list[list[dict]]:

@@ -207,8 +207,12 @@ def _worker(rank: int, world: int, init: str, model_kind: str, recurrent: bool, 
         out.logits.float().square().mean().backward()
         if tracer is not None:
             Path(out_path).write_text(json.dumps(tracer.summary()))
+        # Settle gloo's workers before the group goes: the batch's context still holds it, and a group freed at
+        # interpreter shutdown with a busy worker aborts the rank (docs/trainer.md, "Ending the run").
+        bd.training.close_process_groups()
     finally:
-        dist.destroy_process_group()
+        if dist.is_initialized():
+            dist.destroy_process_group()
 
 
 class _nullcontext:

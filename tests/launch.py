@@ -103,8 +103,10 @@ def _entry(rank: int, world_size: int, port: int, fn: Callable, args: tuple, res
         raise SystemExit(1)
     finally:
         if dist.is_initialized():
-            try:
-                dist.destroy_process_group()
+            from hf_blockdiag_cp.training import close_process_groups
+
+            try:  # gloo's workers settled first: a group still referenced and freed at shutdown would abort the rank
+                close_process_groups()
             except Exception:
                 pass
 

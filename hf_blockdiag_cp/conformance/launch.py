@@ -22,6 +22,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from ..errors import Refusal
+from ..training.shutdown import close_process_groups
 from .result import describe_error, is_refusal
 from .runs import build_model, collated_batch, forward_logits
 
@@ -139,8 +140,9 @@ def _rank_main(rank: int, world: int, port: int, queue: Any, target: Callable[..
         queue.put((rank, ("error", "refused" if is_refusal(err) else "error", describe_error(err))))
     finally:
         if dist.is_initialized():
+            # gloo's workers settled first: a group still referenced and freed at shutdown would abort the rank
             with contextlib.suppress(Exception):
-                dist.destroy_process_group()
+                close_process_groups()
 
 
 def _cp_rank(rank: int, world: int, config: Any, docs: list[list[int]], seed: int, pad: int, ulysses_size: int = 1
