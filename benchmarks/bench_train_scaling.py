@@ -119,6 +119,8 @@ def longest(cp: int, budget_gib: float, steps: int, start: int, extra: list[str]
 
 # ---- real vocabulary: the model's own loss vs bd.chunked_causal_lm_loss (a child process, or torchrun, per run) ----
 
+#: --real-vocab rows are packed from documents of this many tokens (a row length is a multiple of it).
+REAL_VOCAB_DOC = 512
 #: Llama-3's vocabulary on a small body: the head dominates memory, as in the issue's shape.
 REAL_VOCAB = dict(vocab_size=128256, hidden_size=512, intermediate_size=1536, num_hidden_layers=2,
                   num_attention_heads=8, num_key_value_heads=2, rms_norm_eps=1e-5)
@@ -152,8 +154,8 @@ def real_vocab_child(spec: dict) -> dict | None:
     if spec["checkpointing"]:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     gen = torch.Generator().manual_seed(1)
-    docs = [{"input_ids": torch.randint(1, REAL_VOCAB["vocab_size"], (512,), generator=gen).tolist()}
-            for _ in range(seq_len // 512)]
+    docs = [{"input_ids": torch.randint(1, REAL_VOCAB["vocab_size"], (REAL_VOCAB_DOC,), generator=gen).tolist()}
+            for _ in range(seq_len // REAL_VOCAB_DOC)]
     batch = bd.PackingCollator(seq_len, pad_token_id=0, group=mesh["cp"] if mesh is not None else None)(docs)
 
     def step() -> float:
@@ -182,9 +184,10 @@ def real_vocab_child(spec: dict) -> dict | None:
     if mesh is not None:
         import torch.distributed as dist
 
-        ranks = [None] * world
+        ranks, rank = [None] * world, dist.get_rank()
         dist.all_gather_object(ranks, mine)
-        if dist.get_rank() != 0:
+        bd.training.close_process_groups()  # after the last collective: no gloo abort at exit
+        if rank != 0:
             return None
     worst = {k: max(r[k] for r in ranks) for k in mine if k != "cpu_s"}  # per rank: the largest
     total_cpu = sum(r["cpu_s"] for r in ranks)
@@ -263,6 +266,9 @@ def main() -> None:
             print(json.dumps(result))
         return
     if args.real_vocab:
+        odd = [n for n in (*args.own_seq_lens, *args.seq_lens) if n <= 0 or n % REAL_VOCAB_DOC]
+        if odd:  # the rows are whole documents of REAL_VOCAB_DOC tokens: another length packs nothing or cuts one
+            p.error(f"--real-vocab: --own-seq-lens and --seq-lens must be multiples of {REAL_VOCAB_DOC} (got {odd})")
         real_vocab_table([("own", False, args.own_seq_lens), ("chunked", False, args.seq_lens),
                           ("chunked", True, args.seq_lens)], args.cp_sizes, args.steps, args.chunk_size,
                          args.budget_gib)

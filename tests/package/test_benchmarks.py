@@ -210,3 +210,32 @@ def test_recurrent_layers_bench_names_the_bad_flag(argv, message, monkeypatch, c
     with pytest.raises(SystemExit) as exit_info:
         bench.main()
     assert exit_info.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_train_scaling_real_vocab_lengths_are_whole_documents(monkeypatch, capsys):
+    """bench_train_scaling.py --real-vocab packs 512-token documents: a length that is not a multiple (which packed
+    nothing and failed inside torchrun with "examples is empty") is a usage error naming the lengths."""
+    bench = _bench("bench_train_scaling")
+    monkeypatch.setattr("sys.argv", ["bench_train_scaling.py", "--real-vocab", "--own-seq-lens", "256", "1024",
+                                     "--seq-lens", "700"])
+    with pytest.raises(SystemExit) as exit_info:
+        bench.main()
+    assert exit_info.value.code == 2 and "multiples of 512 (got [256, 700])" in capsys.readouterr().err
+
+
+RANK_SCRIPTS = sorted([*ROOT.glob("benchmarks/*.py"), *ROOT.glob("examples/*.py"), *ROOT.glob("scripts/*.py"),
+                       ROOT / "tests" / "launch.py", ROOT / "hf_blockdiag_cp" / "conformance" / "launch.py"])
+
+
+@pytest.mark.parametrize("path", RANK_SCRIPTS, ids=[f"{p.parent.name}/{p.name}" for p in RANK_SCRIPTS])
+def test_every_script_that_makes_a_process_group_ends_it_settled(path):
+    """A rank whose group is destroyed bare, or never, while its batch's context still holds it, can abort at exit
+    (``terminate called without an active exception``: follow_data.py's rank 1 did once in CI). A file that calls
+    ``init_process_group`` or ``init_device_mesh`` also calls ``close_process_groups``, which settles gloo's workers
+    first (a bare ``destroy_process_group`` stays only as the fallback of a ``finally``), or runs ``CPTrainer`` /
+    ``CPSFTTrainer``, which register it at exit. examples/common.py only hands its mesh to such scripts."""
+    names = {getattr(n.func, "attr", getattr(n.func, "id", None))
+             for n in ast.walk(ast.parse(path.read_text())) if isinstance(n, ast.Call)}
+    if names & {"init_process_group", "init_device_mesh", "launch_mesh"} and path.name != "common.py":
+        assert names & {"close_process_groups", "CPTrainer", "CPSFTTrainer"}, \
+            f"{path.name} makes a process group and never calls close_process_groups"
