@@ -303,6 +303,8 @@ def main() -> None:
     bad = [w for w in args.worlds if w < 1 or args.tokens % w]
     if args.part == "cp" and bad:
         parser.error(f"--worlds {bad[0]}: must be >= 1 and divide --tokens {args.tokens}")
+    if args.keep_heap and not keep_heap():  # checked before any spawn: a usage error, not a traceback from a rank
+        parser.error("--keep-heap: this libc has no glibc mallopt")
     torch.set_num_threads(1)
     warnings.filterwarnings("ignore")
     import transformers
